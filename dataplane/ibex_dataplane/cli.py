@@ -1,0 +1,218 @@
+"""The ``ibex`` command: the composition root that builds settings once and wires stores, stages and reconcile.
+
+Subcommands:
+- ``ibex dev``: embedded stores, migrations, local tenant manifests, API keys, the data plane; Ctrl-C stops it all.
+- ``ibex migrate``: apply pending Postgres and ClickHouse migrations to the configured stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from aiohttp import web
+
+from ibex_dataplane.proxy.app import create_app
+from ibex_dataplane.runtime.embedded import EmbeddedRuntime
+from ibex_dataplane.runtime.errors import EmbeddedStoreError
+from ibex_dataplane.runtime.stores import Stores, StoreUrls, load_or_create_secret, migrate_all
+from ibex_dataplane.settings import Settings
+from ibex_dataplane.store.clickhouse import ClickHouse
+from ibex_dataplane.store.errors import StoreError
+
+log = logging.getLogger("ibex")
+
+
+class _Stop(Exception):
+    """Raised by the SIGTERM handler outside the event loop so clean-up still runs."""
+
+
+def _configure_logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("presidio-analyzer", "presidio-anonymizer", "kopf", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def _write_keys(path: Path, keys: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(keys, f, indent=2, sort_keys=True)
+        f.write("\n")
+    tmp.replace(path)
+
+
+async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: EmbeddedRuntime, started: float) -> int:
+    from ibex_operator.manifests import ManifestError, apply_manifests, load_manifests
+    from ibex_operator.models import ApiKey
+    from ibex_operator.reconcile import Reconciler
+    from ibex_operator.repository import TenantConfigRepository
+    from ibex_operator.secrets import FileSecretSink
+
+    try:
+        manifests = load_manifests(Path(args.manifests))
+    except ManifestError as e:
+        print(f"ibex dev: invalid manifest: {e}", file=sys.stderr)
+        return 2
+
+    urls = StoreUrls.from_runtime(runtime.info)
+    clickhouse = ClickHouse(urls.clickhouse_url)
+    try:
+        await migrate_all(urls, settings, clickhouse)
+    finally:
+        await clickhouse.close()
+    stores = await Stores.open(urls, settings, admin=True)
+    runner: web.AppRunner | None = None
+    try:
+        assert stores.admin_pool is not None
+        pepper = (
+            settings.key_pepper.get_secret_value().encode()
+            if settings.key_pepper
+            else load_or_create_secret(runtime.data_dir / "pepper")
+        )
+        sink = FileSecretSink(runtime.data_dir / "secrets.json")
+        reconciler = Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), sink, pepper)
+        outcomes = await apply_manifests(reconciler, manifests)
+        for o in outcomes:
+            flag = "ready" if o.ready else "NOT READY"
+            print(f"  {o.ref}: {flag} ({o.reason}{': ' + o.message if o.message and not o.ready else ''})")
+
+        keys: dict[str, str] = {}
+        for m in manifests:
+            r = m.resource
+            if isinstance(r, ApiKey) and not r.spec.revoked:
+                token = await sink.read(r.metadata.namespace, r.spec.secret_name)
+                if token:
+                    keys[f"{r.metadata.namespace}/{r.metadata.name}"] = token
+        keys_out = Path(args.keys_out) if args.keys_out else runtime.data_dir / "keys.json"
+        _write_keys(keys_out, keys)
+        print(f"API keys (also in {keys_out}):")
+        for ref, token in sorted(keys.items()):
+            print(f"  {ref}: {token}")
+
+        app = create_app(settings, stores)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        server = site._server
+        port = args.port
+        if server is not None and getattr(server, "sockets", None):
+            port = server.sockets[0].getsockname()[1]
+        base_url = f"http://{args.host}:{port}"
+        print(f"ibex dev ready in {time.monotonic() - started:.1f}s: {base_url} (Ctrl-C to stop)", flush=True)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("ibex dev: stopping", flush=True)
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await stores.close()
+
+
+def cmd_dev(args: argparse.Namespace, settings: Settings) -> int:
+    started = time.monotonic()
+    data_dir = Path(args.data_dir) if args.data_dir else settings.data_dir
+    runtime = EmbeddedRuntime(data_dir)
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        try:
+            runtime.start()
+        except EmbeddedStoreError as e:
+            print(f"ibex dev: cannot start embedded stores: {e}", file=sys.stderr)
+            return 1
+        print(f"embedded stores up under {runtime.data_dir}", flush=True)
+        try:
+            import uvloop
+
+            return uvloop.run(_serve_dev(args, settings, runtime, started))
+        except (StoreError, EmbeddedStoreError) as e:
+            print(f"ibex dev: {e}", file=sys.stderr)
+            return 1
+    except (KeyboardInterrupt, _Stop):
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with contextlib.suppress(Exception):
+            runtime.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    async def run() -> None:
+        urls = StoreUrls.from_settings(settings)
+        clickhouse = ClickHouse(urls.clickhouse_url)
+        try:
+            await migrate_all(urls, settings, clickhouse)
+        finally:
+            await clickhouse.close()
+
+    try:
+        asyncio.run(run())
+    except (StoreError, EmbeddedStoreError) as e:
+        print(f"ibex migrate: {e}", file=sys.stderr)
+        return 1
+    print("migrations applied")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ibex", description="IBEX Harness: memory and gateway layer for agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    dev = sub.add_parser("dev", help="run the whole stack locally on embedded stores")
+    dev.add_argument("--manifests", default="examples/tenants", help="folder of tenant YAML manifests")
+    dev.add_argument("--data-dir", default=None, help="where embedded stores keep data (IBEX_DATA_DIR)")
+    dev.add_argument("--host", default=None, help="proxy listen address (IBEX_HOST)")
+    dev.add_argument("--port", type=int, default=None, help="proxy port, 0 for a free one (IBEX_PORT)")
+    dev.add_argument("--keys-out", default=None, help="write issued API keys here as JSON (default DATA_DIR/keys.json)")
+    dev.set_defaults(func=cmd_dev)
+
+    migrate = sub.add_parser("migrate", help="apply pending Postgres and ClickHouse migrations")
+    migrate.set_defaults(func=cmd_migrate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings()
+    except ValueError as e:
+        print(f"ibex: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "host", None) is None and hasattr(args, "host"):
+        args.host = settings.host
+    if getattr(args, "port", None) is None and hasattr(args, "port"):
+        args.port = settings.port
+    _configure_logging(settings)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    result: int = args.func(args, settings)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

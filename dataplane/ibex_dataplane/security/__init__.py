@@ -1,0 +1,1 @@
+"""Credentials: API key format and hashing, the internal principal."""

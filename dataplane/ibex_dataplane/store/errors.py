@@ -1,0 +1,21 @@
+"""Errors of the store layer. Callers map them to HTTP codes at the edge (for example StoreUnavailable -> 503)."""
+
+
+class StoreError(Exception):
+    """Base class for store-layer errors."""
+
+
+class StoreUnavailable(StoreError):
+    """A backing store (Postgres, Redis, ClickHouse) could not be reached or timed out."""
+
+    def __init__(self, store: str, detail: str) -> None:
+        super().__init__(f"{store} unavailable: {detail}")
+        self.store = store
+
+
+class MigrationError(StoreError):
+    """A migration could not be applied, or an applied migration was changed after the fact."""
+
+
+class TenantKeyError(StoreError, ValueError):
+    """A tenant key or query was requested without a valid organization."""

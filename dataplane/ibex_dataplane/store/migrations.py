@@ -1,0 +1,133 @@
+"""Forward-only schema migrations for Postgres and ClickHouse, run by ``ibex migrate`` and at ``ibex dev`` start.
+
+Migrations are numbered SQL files (``NNNN_name.sql``) under ``<migrations>/postgres`` and
+``<migrations>/clickhouse``. Applied versions are recorded with a checksum; an applied file that changed later is
+an error (forward-only: add a new file instead). Postgres migrations run as the privileged role, each in its own
+transaction, under an advisory lock so concurrent runners apply each version once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+
+from ibex_dataplane.store.clickhouse import ClickHouse
+from ibex_dataplane.store.errors import MigrationError, StoreUnavailable
+from ibex_dataplane.store.postgres import CONNECTION_ERRORS
+
+log = logging.getLogger(__name__)
+
+_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_LOCK_ID = 0x1BE7_0001  # pg_advisory_lock key for migration runs
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+def default_migrations_dir() -> Path:
+    """The repository's ``migrations/`` folder (the package is installed from the source tree)."""
+    return Path(__file__).resolve().parents[3] / "migrations"
+
+
+def discover(folder: Path) -> list[Migration]:
+    if not folder.is_dir():
+        raise MigrationError(f"migrations folder {folder} does not exist")
+    found: list[Migration] = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix != ".sql":
+            continue
+        m = _FILE.match(path.name)
+        if not m:
+            raise MigrationError(f"migration file {path.name} does not match NNNN_name.sql")
+        found.append(Migration(int(m.group(1)), m.group(2), path.read_text()))
+    versions = [m.version for m in found]
+    if len(set(versions)) != len(versions):
+        raise MigrationError(f"duplicate migration versions in {folder}")
+    return found
+
+
+async def migrate_postgres(admin_dsn: str, folder: Path) -> list[int]:
+    """Apply pending Postgres migrations; returns the versions applied now."""
+    migrations = discover(folder)
+    try:
+        conn = await asyncpg.connect(admin_dsn, timeout=10)
+    except CONNECTION_ERRORS as e:
+        raise StoreUnavailable("postgres", type(e).__name__) from e
+    applied_now: list[int] = []
+    try:
+        await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_ID)
+        try:
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            rows = await conn.fetch("SELECT version, name, checksum FROM schema_migrations")
+            applied = {r["version"]: r["checksum"] for r in rows}
+            for m in migrations:
+                if m.version in applied:
+                    if applied[m.version] != m.checksum:
+                        raise MigrationError(
+                            f"postgres migration {m.version:04d}_{m.name} changed after it was applied"
+                        )
+                    continue
+                async with conn.transaction():
+                    await conn.execute(m.sql)
+                    await conn.execute(
+                        "INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)",
+                        m.version,
+                        m.name,
+                        m.checksum,
+                    )
+                log.info("applied postgres migration %04d_%s", m.version, m.name)
+                applied_now.append(m.version)
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_ID)
+    except asyncpg.PostgresError as e:
+        raise MigrationError(f"postgres migration failed: {e}") from e
+    finally:
+        await conn.close()
+    return applied_now
+
+
+def _statements(sql: str) -> list[str]:
+    """Split a ClickHouse migration into statements (it does not accept several per request)."""
+    body = "\n".join(line for line in sql.splitlines() if not line.strip().startswith("--"))
+    return [s.strip() for s in body.split(";") if s.strip()]
+
+
+async def migrate_clickhouse(ch: ClickHouse, folder: Path) -> list[int]:
+    """Apply pending ClickHouse migrations (DDL there is not transactional: statements are idempotent)."""
+    migrations = discover(folder)
+    await ch.command(
+        "CREATE TABLE IF NOT EXISTS ibex_schema_migrations"
+        " (version UInt32, name String, checksum String, applied_at DateTime DEFAULT now())"
+        " ENGINE = ReplacingMergeTree ORDER BY version"
+    )
+    rows = await ch.admin_query("SELECT version, checksum FROM ibex_schema_migrations FINAL")
+    applied = {int(r[0]): str(r[1]) for r in rows}
+    applied_now: list[int] = []
+    for m in migrations:
+        if m.version in applied:
+            if applied[m.version] != m.checksum:
+                raise MigrationError(f"clickhouse migration {m.version:04d}_{m.name} changed after it was applied")
+            continue
+        for statement in _statements(m.sql):
+            await ch.command(statement)
+        await ch.insert("ibex_schema_migrations", [[m.version, m.name, m.checksum]], ["version", "name", "checksum"])
+        log.info("applied clickhouse migration %04d_%s", m.version, m.name)
+        applied_now.append(m.version)
+    return applied_now

@@ -1,0 +1,121 @@
+"""Postgres access: the asyncpg pool and the tenant transaction, the only way data-plane code reaches tenant tables.
+
+Every pooled connection registers the pgvector codec. :meth:`Database.tenant` opens a transaction that first runs
+``SET LOCAL app.org_id`` (and ``app.agent_id`` when given), so row-level security scopes every statement in it;
+the settings die with the transaction, so nothing leaks to the next user of the connection. Repositories take the
+connection this yields and own their SQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from uuid import UUID
+
+import asyncpg
+from pgvector.asyncpg import register_vector
+
+from ibex_dataplane.store.errors import StoreUnavailable
+
+# Errors that mean "the database is not there" rather than "the statement is wrong".
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+)
+
+_SET_SCOPE = "SELECT set_config('app.org_id', $1, true), set_config('app.agent_id', $2, true)"
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await register_vector(conn)
+
+
+async def create_pool(
+    dsn: str, *, min_size: int = 2, max_size: int = 10, application_name: str = "ibex", timeout: float = 10.0
+) -> asyncpg.Pool:
+    """Open a pool; raises StoreUnavailable when Postgres cannot be reached."""
+    try:
+        pool: asyncpg.Pool = await asyncpg.create_pool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            init=_init_connection,
+            timeout=timeout,
+            command_timeout=30,
+            server_settings={"application_name": application_name},
+        )
+    except CONNECTION_ERRORS as e:
+        raise StoreUnavailable("postgres", type(e).__name__) from e
+    return pool
+
+
+class Database:
+    """The data plane's handle on Postgres. Wraps one pool; hands out tenant-scoped transactions."""
+
+    def __init__(self, pool: asyncpg.Pool, *, acquire_timeout: float = 5.0) -> None:
+        self._pool = pool
+        self._acquire_timeout = acquire_timeout
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        return self._pool
+
+    @asynccontextmanager
+    async def tenant(
+        self, org_id: UUID, agent_id: UUID | None = None, *, readonly: bool = False
+    ) -> AsyncIterator[asyncpg.Connection]:
+        """A transaction acting for one org (and optionally one agent): RLS applies to everything inside."""
+        if not isinstance(org_id, UUID):
+            raise TypeError("tenant transactions need the org id as a UUID")
+        try:
+            conn_cm = self._pool.acquire(timeout=self._acquire_timeout)
+            conn = await conn_cm.__aenter__()
+        except CONNECTION_ERRORS as e:
+            raise StoreUnavailable("postgres", type(e).__name__) from e
+        try:
+            try:
+                tx = conn.transaction(readonly=readonly)
+                await tx.start()
+                await conn.execute(_SET_SCOPE, str(org_id), str(agent_id) if agent_id else "")
+            except CONNECTION_ERRORS as e:
+                raise StoreUnavailable("postgres", type(e).__name__) from e
+            try:
+                yield conn
+            except BaseException:
+                if not conn.is_closed():
+                    await tx.rollback()
+                raise
+            else:
+                try:
+                    await tx.commit()
+                except CONNECTION_ERRORS as e:
+                    raise StoreUnavailable("postgres", type(e).__name__) from e
+        finally:
+            await conn_cm.__aexit__(None, None, None)
+
+    @asynccontextmanager
+    async def unscoped(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection with no tenant set: row-level security shows it zero tenant rows.
+
+        Only for what runs before the tenant is known (the SECURITY DEFINER key lookup) and for health checks.
+        """
+        try:
+            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+                yield conn
+        except CONNECTION_ERRORS as e:
+            raise StoreUnavailable("postgres", type(e).__name__) from e
+
+    async def ping(self) -> None:
+        async with self.unscoped() as conn:
+            try:
+                await conn.fetchval("SELECT 1", timeout=2)
+            except CONNECTION_ERRORS as e:
+                raise StoreUnavailable("postgres", type(e).__name__) from e
+
+    async def close(self) -> None:
+        await self._pool.close()

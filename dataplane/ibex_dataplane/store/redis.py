@@ -1,0 +1,35 @@
+"""Redis/Valkey client construction and error wrapping. Keys come from :mod:`ibex_dataplane.store.keys` only."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ibex_dataplane.store.errors import StoreUnavailable
+
+REDIS_DOWN: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def create_redis(url: str, *, timeout: float = 2.0, max_connections: int = 200) -> aioredis.Redis:
+    """A pooled client; commands raise redis errors that callers wrap via :func:`unavailable`."""
+    client: aioredis.Redis = aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        max_connections=max_connections,
+        health_check_interval=30,
+        decode_responses=False,
+    )
+    return client
+
+
+def unavailable(e: BaseException) -> StoreUnavailable:
+    return StoreUnavailable("redis", type(e).__name__)
+
+
+async def ping(client: aioredis.Redis) -> None:
+    try:
+        await client.ping()
+    except REDIS_DOWN as e:
+        raise unavailable(e) from e
