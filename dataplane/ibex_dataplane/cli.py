@@ -114,10 +114,7 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
-        server = site._server
-        port = args.port
-        if server is not None and getattr(server, "sockets", None):
-            port = server.sockets[0].getsockname()[1]
+        port = runner.addresses[0][1] if runner.addresses else args.port
         base_url = f"http://{args.host}:{port}"
         print(f"ibex dev ready in {time.monotonic() - started:.1f}s: {base_url} (Ctrl-C to stop)", flush=True)
 

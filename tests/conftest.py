@@ -1,0 +1,84 @@
+"""Shared fixtures: real embedded stores started once per test session, and tenants created per test.
+
+Isolation between tests comes from tenancy itself: each test creates its own organizations with unique names, so
+tests never see each other's rows (and a test that could would be an isolation bug).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from ibex_dataplane.runtime.embedded import EmbeddedRuntime, RuntimeInfo
+from ibex_dataplane.runtime.stores import Stores, StoreUrls, migrate_all
+from ibex_dataplane.settings import Settings
+from ibex_dataplane.store.clickhouse import ClickHouse
+from ibex_operator.reconcile import Reconciler
+from ibex_operator.repository import TenantConfigRepository
+from ibex_operator.secrets import FileSecretSink
+
+from tests.support.tenants import TenantFactory
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    return Settings(_env_file=None)  # type: ignore[call-arg]
+
+
+@pytest.fixture(scope="session")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRuntime]:
+    runtime = EmbeddedRuntime(tmp_path_factory.mktemp("stores"))
+    runtime.start()
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
+
+
+@pytest.fixture(scope="session")
+def runtime_info(embedded: EmbeddedRuntime) -> RuntimeInfo:
+    return embedded.info
+
+
+@pytest_asyncio.fixture(scope="session")
+async def stores(embedded: EmbeddedRuntime, settings: Settings) -> AsyncIterator[Stores]:
+    urls = StoreUrls.from_runtime(embedded.info)
+    clickhouse = ClickHouse(urls.clickhouse_url)
+    try:
+        await migrate_all(urls, settings, clickhouse)
+    finally:
+        await clickhouse.close()
+    opened = await Stores.open(urls, settings, admin=True)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+@pytest.fixture(scope="session")
+def pepper() -> bytes:
+    return secrets.token_bytes(32)
+
+
+@pytest.fixture(scope="session")
+def secret_sink(tmp_path_factory: pytest.TempPathFactory) -> FileSecretSink:
+    return FileSecretSink(tmp_path_factory.mktemp("secrets") / "secrets.json")
+
+
+@pytest.fixture(scope="session")
+def reconciler(stores: Stores, secret_sink: FileSecretSink, pepper: bytes) -> Reconciler:
+    assert stores.admin_pool is not None
+    return Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), secret_sink, pepper)
+
+
+@pytest.fixture
+def tenants(reconciler: Reconciler, secret_sink: FileSecretSink) -> TenantFactory:
+    return TenantFactory(reconciler, secret_sink)

@@ -1,0 +1,155 @@
+"""`ibex dev` as a user runs it: ready line, health, keys file, clean shutdown, data kept across restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import pytest
+from aiohttp import ClientSession
+from ibex_dataplane.runtime.embedded import RuntimeInfo
+from ibex_dataplane.security.apikeys import parse_token, secret_matches
+
+REPO = Path(__file__).resolve().parents[2]
+IBEX = [sys.executable, "-m", "ibex_dataplane.cli"]
+
+
+@dataclass
+class DevProcess:
+    proc: subprocess.Popen[str]
+    base_url: str
+    output: list[str]
+
+
+@contextmanager
+def ibex_dev(data_dir: Path, keys_out: Path, manifests: Path | None = None) -> Iterator[DevProcess]:
+    args = [*IBEX, "dev", "--data-dir", str(data_dir), "--port", "0", "--keys-out", str(keys_out)]
+    if manifests is not None:
+        args += ["--manifests", str(manifests)]
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ}
+    )
+    output: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        base_url = ""
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            output.append(line)
+            m = re.search(r"ready.*(http://\S+)", line)
+            if m:
+                base_url = m.group(1)
+                break
+        assert base_url, "ibex dev never printed its ready line:\n" + "".join(output)
+        yield DevProcess(proc, base_url, output)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            output.extend(proc.stdout.readlines())
+            proc.stdout.close()
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def org_ids(info: RuntimeInfo) -> dict[str, str]:
+    conn = await asyncpg.connect(info.postgres_admin_dsn)
+    try:
+        return {r["name"]: str(r["id"]) for r in await conn.fetch("SELECT name, id FROM organizations")}
+    finally:
+        await conn.close()
+
+
+async def token_is_valid(info: RuntimeInfo, pepper: bytes, token: str) -> bool:
+    key_id, secret = parse_token(token)
+    conn = await asyncpg.connect(info.postgres_app_dsn)
+    try:
+        row = await conn.fetchrow("SELECT secret_hash, revoked_at FROM ibex_lookup_api_key($1)", key_id)
+    finally:
+        await conn.close()
+    return row is not None and row["revoked_at"] is None and secret_matches(pepper, secret, bytes(row["secret_hash"]))
+
+
+async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(tmp_path: Path) -> None:
+    data_dir, keys_out = tmp_path / "data", tmp_path / "keys.json"
+
+    with ibex_dev(data_dir, keys_out) as dev:
+        async with ClientSession() as http:
+            async with http.get(dev.base_url + "/readyz") as r:
+                assert r.status == 200
+                body = await r.json()
+            async with http.get(dev.base_url + "/healthz") as r:
+                assert r.status == 200
+        assert body["checks"] == {"postgres": "ok", "redis": "ok", "clickhouse": "ok"}
+        first_keys = json.loads(keys_out.read_text())
+        info = RuntimeInfo.read(data_dir / "runtime.json")
+        first_orgs = await org_ids(info)
+        pepper = bytes.fromhex((data_dir / "pepper").read_text())
+        assert [await token_is_valid(info, pepper, t) for t in first_keys.values()] == [True] * len(first_keys)
+        for ref, token in first_keys.items():
+            assert token in "".join(dev.output), f"{ref} was not printed"
+        pg_port, redis_port = (
+            info.postgres_app_dsn.rsplit(":", 1)[1].split("/")[0],
+            info.redis_url.split(":")[2].split("/")[0],
+        )
+    assert dev.proc.returncode == 0, "".join(dev.output)
+    assert not port_open(int(pg_port)) and not port_open(int(redis_port)), "stores left running after SIGTERM"
+    assert not (data_dir / "postgres" / "data" / "postmaster.pid").exists()
+
+    assert set(first_keys) >= {"tenants/support-bot-key", "tenants/sales-bot-key"}
+    assert all(t.startswith("ibex_sk_") for t in first_keys.values())
+
+    with ibex_dev(data_dir, keys_out) as dev:
+        info = RuntimeInfo.read(data_dir / "runtime.json")
+        assert await org_ids(info) == first_orgs
+        second_keys = json.loads(keys_out.read_text())
+        assert second_keys == first_keys
+        assert [await token_is_valid(info, pepper, t) for t in second_keys.values()] == [True] * len(second_keys)
+    assert dev.proc.returncode == 0
+
+
+def test_ibex_dev_refuses_an_invalid_manifest_naming_file_resource_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "manifests"
+    bad.mkdir()
+    (bad / "broken.yaml").write_text(
+        "apiVersion: ibex.dev/v1alpha1\nkind: Agent\nmetadata: {name: bot, namespace: t}\n"
+        "spec: {organizationRef: {name: acme}, limits: {requestsPerMinute: 0}}\n"
+    )
+    done = subprocess.run(
+        [*IBEX, "dev", "--data-dir", str(tmp_path / "data"), "--port", "0", "--manifests", str(bad)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "broken.yaml" in done.stderr and "Agent t/bot" in done.stderr
+    assert "spec.limits.requestsPerMinute" in done.stderr
+    assert not (tmp_path / "data" / "runtime.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_ibex_cli_documents_the_dev_flags(flag: str) -> None:
+    done = subprocess.run([*IBEX, "dev", flag], capture_output=True, text=True, timeout=60)
+    for option in ("--manifests", "--data-dir", "--host", "--port", "--keys-out"):
+        assert option in done.stdout
