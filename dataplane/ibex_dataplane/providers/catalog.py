@@ -1,0 +1,218 @@
+"""The model catalog: what each model is, who serves it and what it costs.
+
+Owns per-model facts (provider, context window, max output, tokenizer family, prices per million tokens) and the
+cost arithmetic built on them. The proxy calls ``worst_case_cost`` for the budget hold and ``cost`` to settle;
+the context stage reads windows and tokenizer families; the registry routes by ``ModelInfo.provider``.
+
+Built in: the offline ``echo`` model (priced by the caller, 1.00 / 2.00 USD per million by default, so budgets
+are real offline) and a few OpenAI models routed to the ``openai`` provider. Configuration adds or replaces
+entries with the JSON shape ``{"models": [{...}], "providers": {...}}`` (``providers`` is read by the registry;
+here it only tells which provider names exist).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ibex_dataplane.providers.errors import UnknownModel
+from ibex_dataplane.providers.tokens import TokenizerFamily
+
+__all__ = [
+    "BUILTIN_PROVIDERS",
+    "ECHO_MODEL",
+    "ECHO_PROVIDER",
+    "OPENAI_PROVIDER",
+    "CatalogConfigError",
+    "ModelCatalog",
+    "ModelInfo",
+    "echo_model",
+]
+
+ECHO_MODEL: Final = "echo"
+ECHO_PROVIDER: Final = "echo"
+OPENAI_PROVIDER: Final = "openai"
+BUILTIN_PROVIDERS: Final = frozenset({ECHO_PROVIDER, OPENAI_PROVIDER})
+
+_MILLION: Final = Decimal(1_000_000)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts about one model. Prices are USD per million tokens."""
+
+    name: str
+    provider: str
+    context_window: int
+    max_output_tokens: int
+    tokenizer_family: TokenizerFamily
+    input_price_per_mtok: Decimal
+    output_price_per_mtok: Decimal
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.provider:
+            raise ValueError("model name and provider must be non-empty")
+        if self.context_window <= 0 or self.max_output_tokens <= 0:
+            raise ValueError(f"{self.name}: context window and max output must be positive")
+        if self.max_output_tokens > self.context_window:
+            raise ValueError(f"{self.name}: max output exceeds the context window")
+        if self.input_price_per_mtok < 0 or self.output_price_per_mtok < 0:
+            raise ValueError(f"{self.name}: prices must not be negative")
+
+
+class CatalogConfigError(ValueError):
+    """The catalog configuration is malformed or refers to an unknown provider."""
+
+
+class _ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    provider: str = Field(min_length=1)
+    context_window: int = Field(gt=0)
+    max_output_tokens: int = Field(gt=0)
+    tokenizer_family: TokenizerFamily = TokenizerFamily.GENERIC
+    input_price_per_mtok: Decimal = Field(ge=0)
+    output_price_per_mtok: Decimal = Field(ge=0)
+
+
+class _CatalogSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    models: list[_ModelSpec] = Field(default_factory=list)
+    providers: dict[str, Any] = Field(default_factory=dict)
+
+
+def _openai(name: str, window: int, max_out: int, price_in: str, price_out: str) -> ModelInfo:
+    return ModelInfo(
+        name=name,
+        provider=OPENAI_PROVIDER,
+        context_window=window,
+        max_output_tokens=max_out,
+        tokenizer_family=TokenizerFamily.OPENAI_O200K,
+        input_price_per_mtok=Decimal(price_in),
+        output_price_per_mtok=Decimal(price_out),
+    )
+
+
+_OPENAI_MODELS: Final = (
+    _openai("gpt-4o", 128_000, 16_384, "2.50", "10.00"),
+    _openai("gpt-4o-mini", 128_000, 16_384, "0.15", "0.60"),
+    _openai("gpt-4.1", 1_047_576, 32_768, "2.00", "8.00"),
+    _openai("gpt-4.1-mini", 1_047_576, 32_768, "0.40", "1.60"),
+)
+
+
+def echo_model(input_price_per_mtok: Decimal, output_price_per_mtok: Decimal) -> ModelInfo:
+    """The built-in offline ``echo`` model at the given prices."""
+    return ModelInfo(
+        name=ECHO_MODEL,
+        provider=ECHO_PROVIDER,
+        context_window=128_000,
+        max_output_tokens=4096,
+        tokenizer_family=TokenizerFamily.GENERIC,
+        input_price_per_mtok=input_price_per_mtok,
+        output_price_per_mtok=output_price_per_mtok,
+    )
+
+
+class ModelCatalog:
+    """An immutable set of models, looked up by exact name."""
+
+    def __init__(self, models: Iterable[ModelInfo]) -> None:
+        by_name: dict[str, ModelInfo] = {}
+        for model in models:
+            by_name[model.name] = model  # later entries replace earlier ones: config overrides built-ins
+        self._models: Mapping[str, ModelInfo] = by_name
+
+    @classmethod
+    def builtin(
+        cls,
+        *,
+        echo_input_price_per_mtok: Decimal = Decimal("1.00"),
+        echo_output_price_per_mtok: Decimal = Decimal("2.00"),
+    ) -> ModelCatalog:
+        """``echo`` at the given prices plus the built-in OpenAI models."""
+        return cls((echo_model(echo_input_price_per_mtok, echo_output_price_per_mtok), *_OPENAI_MODELS))
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        echo_input_price_per_mtok: Decimal = Decimal("1.00"),
+        echo_output_price_per_mtok: Decimal = Decimal("2.00"),
+        include_builtins: bool = True,
+    ) -> ModelCatalog:
+        """Built-ins (unless excluded) plus the ``models`` of ``config``, which replace built-ins of the same name.
+
+        Each model's ``provider`` must be built in (``echo``, ``openai``) or a key of ``config["providers"]``.
+        """
+        try:
+            spec = _CatalogSpec.model_validate(config)
+        except ValidationError as e:
+            raise CatalogConfigError(f"invalid model catalog configuration: {e}") from e
+        known_providers = BUILTIN_PROVIDERS | spec.providers.keys()
+        models: list[ModelInfo] = []
+        if include_builtins:
+            models.extend(
+                cls.builtin(
+                    echo_input_price_per_mtok=echo_input_price_per_mtok,
+                    echo_output_price_per_mtok=echo_output_price_per_mtok,
+                )
+            )
+        for entry in spec.models:
+            if entry.provider not in known_providers:
+                raise CatalogConfigError(f"model {entry.name!r} names unknown provider {entry.provider!r}")
+            try:
+                models.append(ModelInfo(**entry.model_dump()))
+            except ValueError as e:
+                raise CatalogConfigError(str(e)) from e
+        return cls(models)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._models
+
+    def __iter__(self) -> Iterator[ModelInfo]:
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def get(self, name: str) -> ModelInfo | None:
+        """The model called exactly ``name``, or ``None``."""
+        return self._models.get(name)
+
+    def require(self, name: str) -> ModelInfo:
+        """The model called exactly ``name``; raises ``UnknownModel`` otherwise."""
+        model = self._models.get(name)
+        if model is None:
+            raise UnknownModel(name)
+        return model
+
+    def names(self) -> list[str]:
+        """Every model name, sorted."""
+        return sorted(self._models)
+
+    def _resolve(self, model: str | ModelInfo) -> ModelInfo:
+        return model if isinstance(model, ModelInfo) else self.require(model)
+
+    def cost(self, model: str | ModelInfo, prompt_tokens: int, completion_tokens: int) -> Decimal:
+        """Exact USD cost of a call (not rounded: the ledger quantizes when it stores)."""
+        if prompt_tokens < 0 or completion_tokens < 0:
+            raise ValueError("token counts must not be negative")
+        info = self._resolve(model)
+        return (prompt_tokens * info.input_price_per_mtok + completion_tokens * info.output_price_per_mtok) / _MILLION
+
+    def worst_case_cost(self, model: str | ModelInfo, prompt_tokens: int, max_tokens: int | None) -> Decimal:
+        """Cost if the completion runs to ``max_tokens`` (capped by the model's max output), or to max output.
+
+        ``prompt_tokens`` should be a conservative estimate, so this bounds what settling can charge.
+        """
+        info = self._resolve(model)
+        completion = info.max_output_tokens if max_tokens is None else min(max(max_tokens, 0), info.max_output_tokens)
+        return self.cost(info, prompt_tokens, completion)
