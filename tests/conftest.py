@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime, RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores, StoreUrls, migrate_all
 from ibex_dataplane.settings import Settings
@@ -20,7 +23,6 @@ from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_operator.reconcile import Reconciler
 from ibex_operator.repository import TenantConfigRepository
 from ibex_operator.secrets import FileSecretSink
-
 from tests.support.tenants import TenantFactory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,13 +36,17 @@ def settings() -> Settings:
 
 
 @pytest.fixture(scope="session")
-def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRuntime]:
-    runtime = EmbeddedRuntime(tmp_path_factory.mktemp("stores"))
+def embedded() -> Iterator[EmbeddedRuntime]:
+    # Under /tmp itself rather than pytest's private (0700) temp root: as root, Postgres runs as an unprivileged
+    # user that must be able to reach its data directory.
+    root = Path(tempfile.mkdtemp(prefix="ibex-test-stores-"))
+    runtime = EmbeddedRuntime(root)
     runtime.start()
     try:
         yield runtime
     finally:
         runtime.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -109,7 +109,7 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
         for ref, token in sorted(keys.items()):
             print(f"  {ref}: {token}")
 
-        app = create_app(settings, stores)
+        app = create_app(settings, stores, pepper=pepper)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)

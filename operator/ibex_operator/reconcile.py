@@ -21,7 +21,6 @@ from ibex_dataplane.security.apikeys import (
     secret_matches,
 )
 from ibex_dataplane.store.errors import StoreUnavailable
-
 from ibex_operator.models import AgentSpec, ApiKeySpec, DirectiveSpec, OrganizationSpec
 from ibex_operator.repository import TenantConfigRepository
 from ibex_operator.secrets import SecretSink

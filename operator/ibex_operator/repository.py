@@ -1,8 +1,8 @@
 """Every SQL statement and Redis key the reconcile code uses to write tenant configuration.
 
 Runs with the privileged pool (the operator's role bypasses row-level security: it works across tenants by
-design). After each change it drops the affected cache entries and publishes an invalidation so every proxy
-replica forgets its in-process copy at once (revocation within one second).
+design). After each change it moves the affected cache entries to a new version and publishes an invalidation so
+every proxy replica forgets its in-process copy at once (revocation within one second).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from uuid import UUID
 
 import asyncpg
 import redis.asyncio as aioredis
+
 from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.keys import GlobalKeys, TenantKeys
 from ibex_dataplane.store.postgres import CONNECTION_ERRORS
@@ -284,8 +285,28 @@ class TenantConfigRepository:
                 )
         except CONNECTION_ERRORS as e:
             raise StoreUnavailable("postgres", type(e).__name__) from e
-        await self._invalidate(TenantKeys(org_id).directive(agent_id), {"kind": "directive", "org_id": str(org_id)})
+        await self.invalidate_directive(org_id, agent_id)
         return version
+
+    async def delete_directive(self, namespace: str, name: str) -> int:
+        """The Directive resource is gone: drop it and its versions; returns how many versions were removed."""
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(
+                    "SELECT id, org_id, agent_id FROM directives WHERE namespace = $1 AND name = $2 FOR UPDATE",
+                    namespace,
+                    name,
+                )
+                if row is None:
+                    return 0
+                versions: int = await conn.fetchval(
+                    "SELECT count(*) FROM directive_versions WHERE directive_id = $1", row["id"]
+                )
+                await conn.execute("DELETE FROM directives WHERE id = $1", row["id"])
+        except CONNECTION_ERRORS as e:
+            raise StoreUnavailable("postgres", type(e).__name__) from e
+        await self.invalidate_directive(row["org_id"], row["agent_id"])
+        return versions
 
     # -- API keys ----------------------------------------------------------------------------------------------
     async def find_key(self, namespace: str, name: str) -> KeyRow | None:
@@ -349,6 +370,29 @@ class TenantConfigRepository:
             raise StoreUnavailable("postgres", type(e).__name__) from e
         await self.invalidate_key(key_id)
 
+    async def retire_key(self, namespace: str, name: str, key_id: str | None) -> str | None:
+        """The ApiKey resource is gone: revoke the key and overwrite its hash so no earlier token can ever match
+        again (a resource created later under the same name gets a fresh secret). The row stays for audit.
+        Returns the key id, or None when the key never reached the stores."""
+        try:
+            async with self._pool.acquire() as conn:
+                found: str | None = await conn.fetchval(
+                    """
+                    UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()),
+                        secret_hash = sha256(gen_random_uuid()::text::bytea), updated_at = now()
+                     WHERE (namespace = $1 AND name = $2) OR id = $3
+                    RETURNING id
+                    """,
+                    namespace,
+                    name,
+                    key_id,
+                )
+        except CONNECTION_ERRORS as e:
+            raise StoreUnavailable("postgres", type(e).__name__) from e
+        if found is not None:
+            await self.invalidate_key(found)
+        return found
+
     async def revoke_key(self, key_id: str) -> None:
         try:
             async with self._pool.acquire() as conn:
@@ -364,12 +408,19 @@ class TenantConfigRepository:
     async def invalidate_org(self, org_id: UUID) -> None:
         await self._invalidate(TenantKeys(org_id).policy(), {"kind": "org", "org_id": str(org_id)})
 
+    async def invalidate_directive(self, org_id: UUID, agent_id: UUID) -> None:
+        await self._invalidate(
+            TenantKeys(org_id).directive(agent_id),
+            {"kind": "directive", "org_id": str(org_id), "agent_id": str(agent_id)},
+        )
+
     async def invalidate_key(self, key_id: str) -> None:
         await self._invalidate(GlobalKeys.api_key(key_id), {"kind": "apikey", "key_id": key_id})
 
-    async def _invalidate(self, key: str, event: dict[str, str]) -> None:
+    async def _invalidate(self, version_key: str, event: dict[str, str]) -> None:
+        """After a commit: move the cached entry to a new version (readers reload) and tell every replica."""
         try:
-            await self._redis.delete(key)
+            await self._redis.incr(version_key)
             await self._redis.publish(GlobalKeys.INVALIDATION_CHANNEL, json.dumps(event))
         except REDIS_DOWN as e:
             raise unavailable(e) from e

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ibex_dataplane.settings import Settings
 from pydantic import SecretStr
+
+from ibex_dataplane.settings import Settings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from aiohttp import ClientSession
+
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.security.apikeys import parse_token, secret_matches
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.errors import MigrationError

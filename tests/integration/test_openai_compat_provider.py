@@ -18,6 +18,8 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from pydantic import SecretStr
+
 from ibex_dataplane.providers.base import ChatRequest, StreamChunk, StreamDone
 from ibex_dataplane.providers.breaker import BreakerState
 from ibex_dataplane.providers.catalog import ModelCatalog
@@ -32,7 +34,6 @@ from ibex_dataplane.providers.errors import (
 from ibex_dataplane.providers.openai_compat import OpenAICompatConfig, OpenAICompatProvider
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.providers.tokens import TokenizerFamily, estimate_chat_tokens, estimate_text_tokens
-from pydantic import SecretStr
 
 API_KEY = "sk-upstream-test-key"
 PIECES = ["Hel", "lo", ", wor", "ld!"]

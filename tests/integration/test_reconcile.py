@@ -12,7 +12,6 @@ from ibex_operator.manifests import apply_manifests, load_manifests
 from ibex_operator.models import AgentSpec, ApiKeySpec, DirectiveSpec, OrganizationSpec
 from ibex_operator.reconcile import Reconciler
 from ibex_operator.secrets import FileSecretSink
-
 from tests.support.tenants import NAMESPACE, TenantFactory
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tenants"
@@ -139,12 +138,12 @@ async def test_a_lost_secret_is_reissued_and_revocation_is_recorded(
     assert (await key_row(stores, t.key_ids["solo"]))["revoked_at"] is not None
 
 
-async def test_org_changes_drop_the_cached_policy_snapshot(
+async def test_org_changes_move_the_cached_policy_to_a_new_version(
     reconciler: Reconciler, tenants: TenantFactory, stores: Stores
 ) -> None:
     t = await tenants.create(agents=("solo",))
-    key = TenantKeys(t.org_id).policy()
-    await stores.redis.set(key, b"stale")
+    version_key = TenantKeys(t.org_id).policy()
+    before = int(await stores.redis.get(version_key) or 0)
     out = await reconciler.organization(NAMESPACE, t.name, OrganizationSpec(suspended=True), generation=2)
     assert out.ready and out.fields["orgId"] == str(t.org_id)
-    assert await stores.redis.get(key) is None
+    assert int(await stores.redis.get(version_key) or 0) == before + 1

@@ -6,9 +6,9 @@ import uuid
 
 import asyncpg
 import pytest
+
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
-
 from tests.support.tenants import TenantFactory
 
 READABLE = ["organizations", "agents", "api_keys", "api_key_agents", "directives", "directive_versions"]

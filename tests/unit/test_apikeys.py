@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ibex_dataplane.security.apikeys import (
     MalformedKey,
     generate_key,
@@ -53,3 +54,9 @@ def test_hash_is_keyed_by_the_pepper_and_verified_in_constant_time() -> None:
 def test_repr_never_shows_the_secret() -> None:
     key = generate_key()
     assert key.secret not in repr(key)
+
+
+def test_a_trailing_newline_does_not_slip_through() -> None:
+    key = generate_key()
+    with pytest.raises(MalformedKey):
+        parse_token(key.token + "\n")

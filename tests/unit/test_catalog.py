@@ -5,6 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
+
 from ibex_dataplane.providers.catalog import CatalogConfigError, ModelCatalog, ModelInfo
 from ibex_dataplane.providers.errors import UnknownModel
 from ibex_dataplane.providers.tokens import TokenizerFamily

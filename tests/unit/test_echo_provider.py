@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+
 from ibex_dataplane.providers.base import ChatRequest, StreamChunk, StreamDone, StreamEvent
 from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.providers.echo import EchoProvider

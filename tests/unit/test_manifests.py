@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from ibex_operator.manifests import ManifestError, load_manifests
 from ibex_operator.models import Agent, ApiKey, Directive, Organization
 

@@ -8,6 +8,7 @@ import uuid
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from ibex_dataplane.store.clickhouse import org_query
 from ibex_dataplane.store.errors import TenantKeyError
 from ibex_dataplane.store.keys import GlobalKeys, TenantKeys

@@ -1,23 +1,170 @@
-"""Build the proxy's aiohttp application from settings and open stores; nothing else happens here."""
+"""Build the proxy's aiohttp application from settings and open stores; nothing else happens here.
+
+Wires the caches, the gate pipelines, the providers and the routes, and owns their lifecycle (the invalidation
+subscription, the periodic sweepers, the provider HTTP session and draining after-response work on shutdown).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import aiohttp
 from aiohttp import web
 
+from ibex_dataplane.providers.catalog import ModelCatalog
+from ibex_dataplane.providers.registry import ProviderRegistry
+from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
+from ibex_dataplane.proxy.budget import BudgetService
+from ibex_dataplane.proxy.cache import InvalidationListener, TieredCache
+from ibex_dataplane.proxy.chat import (
+    BackgroundTasks,
+    ChatHandler,
+    ChatServices,
+    budget_hold,
+    directive_and_session,
+    model_policy,
+    rate_limit,
+    validate_request,
+)
+from ibex_dataplane.proxy.directives import DirectiveService, decode_directive, encode_directive
+from ibex_dataplane.proxy.gates import (
+    GatePipeline,
+    authenticate,
+    bind_agent,
+    body_limit,
+    json_content_type,
+    tenant_status,
+)
 from ibex_dataplane.proxy.health import HealthChecks
+from ibex_dataplane.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from ibex_dataplane.proxy.middleware import envelope_middleware
+from ibex_dataplane.proxy.openapi import openapi_document
+from ibex_dataplane.proxy.policy import PolicyService, decode_policy, encode_policy
+from ibex_dataplane.proxy.ratelimit import RateLimiter
+from ibex_dataplane.proxy.repository import ProxyRepository
+from ibex_dataplane.proxy.routes import ProtectedRoutes
+from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.settings import Settings
+from ibex_dataplane.store.keys import GlobalKeys
 from ibex_dataplane.store.redis import ping as redis_ping
+
+log = logging.getLogger(__name__)
 
 STORES = web.AppKey("stores", Stores)
 SETTINGS = web.AppKey("settings", Settings)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+SERVICES = web.AppKey("chat_services", ChatServices)
+CHAT = web.AppKey("chat_handler", ChatHandler)
 
 
-def create_app(settings: Settings, stores: Stores) -> web.Application:
+def _on_invalidation(keys: TieredCache[Any], policies: TieredCache[Any], directives: TieredCache[Any]) -> Any:
+    from ibex_dataplane.store.keys import TenantKeys
+
+    def handle(event: dict[str, str]) -> None:
+        kind = event.get("kind")
+        try:
+            if kind == "apikey":
+                keys.evict(GlobalKeys.api_key(event["key_id"]))
+            elif kind == "org":
+                policies.evict(TenantKeys(event["org_id"]).policy())
+            elif kind == "directive":
+                directives.evict(TenantKeys(event["org_id"]).directive(event["agent_id"]))
+        except (KeyError, ValueError):
+            log.warning("ignoring malformed invalidation event of kind %s", kind)
+
+    return handle
+
+
+def create_app(
+    settings: Settings,
+    stores: Stores,
+    *,
+    pepper: bytes,
+    catalog: ModelCatalog | None = None,
+    provider_config: dict[str, Any] | None = None,
+) -> web.Application:
     app = web.Application(middlewares=[envelope_middleware], client_max_size=settings.max_body_bytes)
+    metrics = ProxyMetrics()
     app[SETTINGS] = settings
     app[STORES] = stores
+    app[METRICS] = metrics
+
+    catalog = catalog or ModelCatalog.builtin(
+        echo_input_price_per_mtok=settings.echo_input_price_per_mtok,
+        echo_output_price_per_mtok=settings.echo_output_price_per_mtok,
+    )
+    repo = ProxyRepository(stores.db)
+    key_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_key, decode=decode_key)
+    policy_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_policy, decode=decode_policy)
+    directive_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_directive, decode=decode_directive)
+    keys = KeyValidator(repo, key_cache, pepper)
+    policies = PolicyService(repo, policy_cache)
+    directives = DirectiveService(repo, directive_cache)
+    sessions = SessionService(stores.db)
+    listener = InvalidationListener(
+        stores.redis,
+        GlobalKeys.INVALIDATION_CHANNEL,
+        _on_invalidation(key_cache, policy_cache, directive_cache),
+        [key_cache, policy_cache, directive_cache],
+    )
+    background = BackgroundTasks(metrics)
+    budgets = BudgetService(stores.db)
+
+    keyed = [
+        ("body_limit", body_limit(settings.max_body_bytes)),
+        ("content_type", json_content_type),
+        ("api_key", authenticate(keys)),
+    ]
+    bound = [*keyed, ("agent_binding", bind_agent(policies)), ("tenant_status", tenant_status)]
+
+    async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
+        session = aiohttp.ClientSession()
+        registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
+        services = ChatServices(
+            catalog=catalog, providers=registry, rate_limiter=RateLimiter(stores.redis), budgets=budgets,
+            directives=directives, sessions=sessions, metrics=metrics, background=background,
+        )  # fmt: skip
+        app[SERVICES] = services
+        chat_pipeline = GatePipeline(
+            [
+                *bound,
+                ("model_policy", model_policy(catalog)),
+                ("rate_limit", rate_limit(services.rate_limiter)),
+                ("validation", validate_request),
+                ("budget_hold", budget_hold(budgets, catalog)),
+                ("directive_session", directive_and_session(directives)),
+            ],
+            metrics,
+        )
+        app[CHAT] = ChatHandler(chat_pipeline, services)
+        await listener.start()
+        sweeper = asyncio.create_task(_sweep(budgets, sessions), name="ibex-sweeper")
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await listener.stop()
+            await background.drain()
+            await registry.aclose()
+            await session.close()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await request.app[CHAT].handle(request)
+
+    app.cleanup_ctx.append(providers_ctx)
+
+    routes = ProtectedRoutes(
+        keyed=GatePipeline(keyed, metrics), bound=GatePipeline(bound, metrics), catalog=catalog, sessions=sessions,
+        policies=policies,
+    )  # fmt: skip
     health = HealthChecks(
         {
             "postgres": stores.db.ping,
@@ -25,6 +172,31 @@ def create_app(settings: Settings, stores: Stores) -> web.Application:
             "clickhouse": stores.clickhouse.ping,
         }
     )
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def openapi_handler(request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/v1/me", routes.me)
+    app.router.add_get("/v1/orgs/{org_id}/auth-probe", routes.auth_probe)
+    app.router.add_post("/v1/sessions/{session_id}/terminate", routes.terminate_session)
     app.router.add_get("/healthz", health.healthz)
     app.router.add_get("/readyz", health.readyz)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/openapi.json", openapi_handler)
     return app
+
+
+async def _sweep(budgets: BudgetService, sessions: SessionService, every: float = 30.0) -> None:
+    """Release expired budget holds and close idle sessions, forever; failures are logged and retried."""
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await budgets.sweep_expired()
+            await sessions.sweep_idle(timedelta(minutes=30))
+        except Exception as e:
+            log.warning("sweeper run failed: %s", type(e).__name__)

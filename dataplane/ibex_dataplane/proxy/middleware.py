@@ -10,27 +10,41 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from ibex_dataplane.proxy.errors import HTTP_STATUS_CODES, ApiError, error_response
+from ibex_dataplane.store.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID = web.AppKey("request_id_key", str)
+REQUEST_ID = web.RequestKey("request_id", str)
+# Always server-generated and unique: what budgets and ledgers key on (a client may reuse its own X-Request-ID).
+SERVER_REQUEST_ID = web.RequestKey("server_request_id", str)
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
+def server_request_id_of(request: web.Request) -> str:
+    rid: str = request.get(SERVER_REQUEST_ID) or f"req_{uuid.uuid4().hex}"
+    return rid
+
+
 def request_id_of(request: web.Request) -> str:
-    rid = request.get("request_id")
-    return rid if isinstance(rid, str) else ""
+    rid: str = request.get(REQUEST_ID, "")
+    return rid
 
 
 @web.middleware
 async def envelope_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     supplied = request.headers.get("X-Request-ID", "")
-    rid = supplied if _CLIENT_REQUEST_ID.match(supplied) else f"req_{uuid.uuid4().hex}"
-    request["request_id"] = rid
+    server_rid = f"req_{uuid.uuid4().hex}"
+    rid = supplied if _CLIENT_REQUEST_ID.fullmatch(supplied) else server_rid
+    request[REQUEST_ID] = rid
+    request[SERVER_REQUEST_ID] = server_rid
     try:
         response = await handler(request)
     except ApiError as e:
         response = error_response(e.status, e.code, e.message, rid, field_errors=e.field_errors, headers=e.headers)
+    except StoreUnavailable as e:
+        response = error_response(
+            503, "SERVICE_DEGRADED", f"a required store is unavailable ({e.store})", rid, headers={"Retry-After": "1"}
+        )
     except web.HTTPException as e:
         if e.status < 400:
             raise

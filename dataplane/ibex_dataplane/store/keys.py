@@ -18,7 +18,7 @@ _PART = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
 
 
 def _check_part(part: str) -> str:
-    if not isinstance(part, str) or not _PART.match(part):
+    if not isinstance(part, str) or not _PART.fullmatch(part):
         raise TenantKeyError(f"invalid Redis key part {part!r}")
     return part
 
@@ -50,6 +50,14 @@ class TenantKeys:
 
     def rate_limit(self, scope: str, scope_id: UUID | str, metric: str) -> str:
         return self.key("rl", scope, str(scope_id), metric)
+
+    def agent_rate_window(self, agent_id: UUID | str) -> str:
+        """Hash of one agent's current rate-limit window (fields ``w`` window id, ``r`` requests, ``t`` tokens)."""
+        return self.key("rl", "agent", str(agent_id), "win")
+
+    def org_rate_window(self) -> str:
+        """Hash of the whole org's current rate-limit window (same fields as :meth:`agent_rate_window`)."""
+        return self.key("rl", "org", "win")
 
     def directive(self, agent_id: UUID | str) -> str:
         return self.key("directive", str(agent_id))

@@ -49,7 +49,7 @@ def discover(folder: Path) -> list[Migration]:
     for path in sorted(folder.iterdir()):
         if path.suffix != ".sql":
             continue
-        m = _FILE.match(path.name)
+        m = _FILE.fullmatch(path.name)
         if not m:
             raise MigrationError(f"migration file {path.name} does not match NNNN_name.sql")
         found.append(Migration(int(m.group(1)), m.group(2), path.read_text()))

@@ -26,6 +26,7 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,
     asyncpg.CannotConnectNowError,
     asyncpg.TooManyConnectionsError,
+    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, crash shutdown, cannot connect now
 )
 
 _SET_SCOPE = "SELECT set_config('app.org_id', $1, true), set_config('app.agent_id', $2, true)"

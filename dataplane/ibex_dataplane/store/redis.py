@@ -13,14 +13,17 @@ REDIS_DOWN: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeou
 
 def create_redis(url: str, *, timeout: float = 2.0, max_connections: int = 200) -> aioredis.Redis:
     """A pooled client; commands raise redis errors that callers wrap via :func:`unavailable`."""
-    client: aioredis.Redis = aioredis.Redis.from_url(
+    # A blocking pool waits (briefly) for a free connection under load instead of failing at once.
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         max_connections=max_connections,
+        timeout=timeout,
         health_check_interval=30,
         decode_responses=False,
     )
+    client: aioredis.Redis = aioredis.Redis.from_pool(pool)  # the client owns and closes the pool
     return client
 
 

@@ -1,0 +1,300 @@
+"""Budget holds: reserve the worst-case cost before the provider call, settle to the actual cost after it.
+
+Owns the domain side of architecture section 7: monthly periods in UTC, the policy a hold is checked against,
+money rounding, the errors the proxy maps (``BudgetExceeded`` -> 402 ``BUDGET_EXCEEDED``; ``StoreUnavailable``
+-> 503, budgets fail closed), and the sweeper of holds left behind by crashed requests. Called by the proxy's
+budget gate (:meth:`BudgetService.hold`), its response path (:meth:`~BudgetService.settle`,
+:meth:`~BudgetService.release`), its periodic sweeper (:meth:`~BudgetService.sweep_expired`) and usage reads
+(:meth:`~BudgetService.spend`). Every SQL statement is in :mod:`ibex_dataplane.proxy.budget_repository`.
+
+Guarantees, under any concurrency and any number of proxy replicas: a ``HardCap`` scope never has
+``spent + held`` above its limit because of a hold (settling to more than was held records the truth and may);
+a hold is placed on the org and the agent or on neither; each request's spend is counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Decimal
+from enum import StrEnum
+from typing import Any, TypeVar
+from uuid import UUID, uuid4
+
+from ibex_dataplane.proxy.budget_repository import (
+    BudgetRepository,
+    DuplicateBudgetHold,
+    HoldOutcome,
+    HoldStatus,
+)
+from ibex_dataplane.store.postgres import Database
+
+__all__ = [
+    "BudgetExceeded",
+    "BudgetHold",
+    "BudgetPolicy",
+    "BudgetScope",
+    "BudgetService",
+    "BudgetSnapshot",
+    "DuplicateBudgetHold",
+    "Enforcement",
+    "month_start",
+    "utc_now",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_QUANTUM = Decimal("0.00000001")  # numeric(18, 8): money is kept to 1e-8 USD
+_MAX_USD = Decimal("9999999999.99999999")
+
+
+def utc_now() -> datetime:
+    """The default clock."""
+    return datetime.now(UTC)
+
+
+def month_start(moment: datetime) -> date:
+    """The budget period containing ``moment``: the first day of its calendar month in UTC."""
+    if moment.tzinfo is None:
+        raise ValueError("budget clocks must return timezone-aware datetimes")
+    utc = moment.astimezone(UTC)
+    return date(utc.year, utc.month, 1)
+
+
+def _usd(value: Decimal, what: str, rounding: str) -> Decimal:
+    if not isinstance(value, Decimal) or not value.is_finite():
+        raise ValueError(f"{what} must be a finite Decimal")
+    if value < 0 or value > _MAX_USD:
+        raise ValueError(f"{what} must be between 0 and {_MAX_USD}")
+    return value.quantize(_QUANTUM, rounding=rounding)
+
+
+class Enforcement(StrEnum):
+    """What happens when a hold would go over a limit: refuse it, or hold it and record that it went over."""
+
+    HARD_CAP = "HardCap"
+    ALERT_ONLY = "AlertOnly"
+
+
+class BudgetScope(StrEnum):
+    ORG = "org"
+    AGENT = "agent"
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """The limits a hold is checked against, from the policy snapshot of the moment (the newest one applies)."""
+
+    org_limit_usd: Decimal | None  # None: no org budget
+    agent_limit_usd: Decimal | None  # None: no agent budget
+    enforcement: Enforcement  # the org's enforcement applies to both scopes
+
+    def __post_init__(self) -> None:
+        for what, limit in (("org_limit_usd", self.org_limit_usd), ("agent_limit_usd", self.agent_limit_usd)):
+            if limit is not None:
+                _usd(limit, what, ROUND_HALF_EVEN)
+        object.__setattr__(self, "enforcement", Enforcement(self.enforcement))
+
+
+@dataclass(frozen=True)
+class BudgetHold:
+    """A durable reservation for one request; hand it back to settle or release."""
+
+    id: UUID
+    org_id: UUID
+    agent_id: UUID
+    request_id: str
+    amount_usd: Decimal
+    period_start: date
+    over_budget: bool  # AlertOnly holds that went over a limit (recorded, not blocked)
+
+
+@dataclass(frozen=True)
+class BudgetSnapshot:
+    """One scope's totals for the current period; ``limit_usd`` is the newest limit a hold saw (None: no limit)."""
+
+    scope: BudgetScope
+    scope_id: UUID
+    period_start: date
+    limit_usd: Decimal | None
+    enforcement: Enforcement | None  # None until the scope's first hold of the period
+    spent_usd: Decimal
+    held_usd: Decimal
+
+    @property
+    def remaining_usd(self) -> Decimal | None:
+        """What a HardCap would still let through (never negative); None without a limit."""
+        if self.limit_usd is None:
+            return None
+        return max(Decimal(0), self.limit_usd - self.spent_usd - self.held_usd)
+
+
+class BudgetExceeded(Exception):
+    """A HardCap scope cannot take the hold; nothing was held anywhere. The proxy answers 402 BUDGET_EXCEEDED."""
+
+    def __init__(self, scope: BudgetScope, limit: Decimal, spent: Decimal, held: Decimal, requested: Decimal) -> None:
+        super().__init__(
+            f"the {scope} budget for this month is exhausted: limit {limit} USD, spent {spent}, held {held},"
+            f" requested {requested}"
+        )
+        self.scope = scope
+        self.limit = limit
+        self.spent = spent
+        self.held = held
+        self.requested = requested
+
+
+class BudgetService:
+    """Holds, settles, releases and sweeps budget reservations in Postgres. One per process; safe to share."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        hold_ttl: timedelta = timedelta(minutes=10),
+        clock: Callable[[], datetime] = utc_now,
+    ) -> None:
+        if hold_ttl < timedelta(0):
+            raise ValueError("hold_ttl must not be negative")
+        self._repo = BudgetRepository(db)
+        self._hold_ttl = hold_ttl
+        self._clock = clock
+        self._inflight: set[asyncio.Task[Any]] = set()
+
+    async def hold(
+        self, org_id: UUID, agent_id: UUID, request_id: str, amount_usd: Decimal, policy: BudgetPolicy
+    ) -> BudgetHold:
+        """Reserve ``amount_usd`` (rounded up to 1e-8) on the org and the agent for the current month.
+
+        Raises :class:`BudgetExceeded` when a HardCap scope would go over its limit, :class:`DuplicateBudgetHold`
+        when the org already has a hold for ``request_id``, and ``StoreUnavailable`` when Postgres cannot be
+        reached. Not shielded from cancellation on purpose: a hold nobody will use is better rolled back; one that
+        committed just before the caller vanished expires after ``hold_ttl``.
+        """
+        if not request_id:
+            raise ValueError("a budget hold needs a request id")
+        amount = _usd(amount_usd, "amount_usd", ROUND_CEILING)
+        hold_id = uuid4()
+        period = month_start(self._clock())
+        result = await self._repo.place_hold(
+            org_id,
+            agent_id,
+            hold_id=hold_id,
+            request_id=request_id,
+            period_start=period,
+            amount_usd=amount,
+            org_limit_usd=policy.org_limit_usd,
+            agent_limit_usd=policy.agent_limit_usd,
+            enforcement=policy.enforcement.value,
+            ttl=self._hold_ttl,
+        )
+        if result.outcome is HoldOutcome.DUPLICATE:
+            raise DuplicateBudgetHold(request_id)
+        if result.outcome is HoldOutcome.REFUSED:
+            assert result.scope is not None and result.limit_usd is not None
+            assert result.spent_usd is not None and result.held_usd is not None
+            raise BudgetExceeded(BudgetScope(result.scope), result.limit_usd, result.spent_usd, result.held_usd, amount)
+        over = result.outcome is HoldOutcome.OVER_BUDGET
+        if over:
+            log.warning(
+                "budget hold over the %s limit, allowed by AlertOnly (request_id=%s org=%s agent=%s limit=%s"
+                " spent=%s held=%s requested=%s)",
+                result.scope,
+                request_id,
+                org_id,
+                agent_id,
+                result.limit_usd,
+                result.spent_usd,
+                result.held_usd,
+                amount,
+            )
+        return BudgetHold(hold_id, org_id, agent_id, request_id, amount, period, over)
+
+    async def settle(
+        self, hold: BudgetHold, actual_usd: Decimal, *, model: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Turn the hold into spend of ``actual_usd`` (which may exceed the hold) and write the ledger row.
+
+        Idempotent: a second settle changes nothing; a hold the sweeper expired is counted once, late. Runs to
+        completion even if the caller is cancelled.
+        """
+        actual = _usd(actual_usd, "actual_usd", ROUND_HALF_EVEN)
+        if prompt_tokens < 0 or completion_tokens < 0:
+            raise ValueError("token counts must not be negative")
+        before = await self._complete(
+            self._repo.settle_hold(
+                hold.org_id,
+                hold.agent_id,
+                hold.id,
+                actual_usd=actual,
+                model=model,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+            )
+        )
+        if before is None:
+            log.warning("settle of an unknown budget hold ignored (request_id=%s hold=%s)", hold.request_id, hold.id)
+        elif before is HoldStatus.SETTLED:
+            log.debug("budget hold already settled (request_id=%s)", hold.request_id)
+        elif before is not HoldStatus.HELD:
+            log.info("budget hold settled after it was %s (request_id=%s)", before, hold.request_id)
+
+    async def release(self, hold: BudgetHold) -> None:
+        """Give the whole hold back (the provider failed before any usage). Idempotent; runs to completion."""
+        before = await self._complete(self._repo.release_hold(hold.org_id, hold.agent_id, hold.id))
+        if before is None:
+            log.warning("release of an unknown budget hold ignored (request_id=%s hold=%s)", hold.request_id, hold.id)
+
+    async def spend(self, org_id: UUID, agent_id: UUID | None = None) -> BudgetSnapshot:
+        """Spent, held and limit of the org (or of one of its agents) for the current month."""
+        scope, scope_id = (BudgetScope.ORG, org_id) if agent_id is None else (BudgetScope.AGENT, agent_id)
+        period = month_start(self._clock())
+        row = await self._repo.read_period(org_id, scope_id, period)
+        if row is None:
+            return BudgetSnapshot(scope, scope_id, period, None, None, Decimal(0), Decimal(0))
+        return BudgetSnapshot(
+            scope, scope_id, period, row.limit_usd, Enforcement(row.enforcement), row.spent_usd, row.held_usd
+        )
+
+    async def sweep_expired(self, *, batch_size: int = 500, max_batches: int = 20) -> int:
+        """Expire holds past their TTL in every org (requests that crashed); returns how many.
+
+        Each batch is its own short transaction; concurrent sweepers on other replicas skip each other's rows.
+        """
+        if batch_size < 1 or max_batches < 1:
+            raise ValueError("batch_size and max_batches must be positive")
+        total = 0
+        for _ in range(max_batches):
+            swept = await self._repo.sweep_expired(batch_size)
+            total += swept
+            if swept < batch_size:
+                break
+        if total:
+            log.info("expired %d budget holds past their ttl", total)
+        return total
+
+    async def drain(self) -> None:
+        """Wait for settles and releases whose callers went away (call at shutdown, before closing the pool)."""
+        while self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def _complete(self, write: Coroutine[Any, Any, T]) -> T:
+        """Run a write that must finish even if the awaiting request is cancelled (a client disconnect)."""
+        task = asyncio.create_task(write)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_log_orphan_failure)
+            raise
+
+
+def _log_orphan_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.warning("budget write failed after its caller was cancelled: %s", type(error).__name__)

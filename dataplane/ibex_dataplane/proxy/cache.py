@@ -1,0 +1,173 @@
+"""Two-tier, versioned caches for what every request needs: API key records, policy snapshots, directives.
+
+Tier 1 is in-process (a dict with a TTL, so the hot path does no I/O); tier 2 is Redis, under a *versioned* key:
+the reconcile code never deletes a cached value, it increments the entry's version counter (after its Postgres
+commit) and publishes an invalidation event. Readers fetch the version and the value of that version in one Lua
+call, so a replica that loaded stale rows just before a commit can only ever write them under the old version,
+which nobody reads again. The pub/sub event evicts tier 1 on every replica within milliseconds; the local TTL is
+only a safety net. An epoch per entry stops a load that began before an invalidation from re-filling tier 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import orjson
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+
+from ibex_dataplane.store.redis import REDIS_DOWN, unavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# KEYS[1] = version key. ARGV[1] = data key prefix (same hash tag as the version key).
+_READ = """
+local v = redis.call('GET', KEYS[1]) or '0'
+return {v, redis.call('GET', ARGV[1] .. v)}
+"""
+
+
+@dataclass
+class _Entry(Generic[T]):
+    value: T
+    expires: float
+
+
+class TieredCache(Generic[T]):
+    """A named family of cached values (e.g. "policy"), each addressed by a Redis version key."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        encode: Callable[[T], bytes],
+        decode: Callable[[bytes], T],
+        local_ttl: float = 30.0,
+        redis_ttl: int = 600,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._redis = redis
+        self._encode = encode
+        self._decode = decode
+        self._local_ttl = local_ttl
+        self._redis_ttl = redis_ttl
+        self._clock = clock
+        self._local: dict[str, _Entry[T]] = {}
+        self._epochs: dict[str, int] = {}
+        self._global_epoch = 0
+        self._read: AsyncScript = redis.register_script(_READ)
+        self.local_enabled = True
+
+    def evict(self, version_key: str) -> None:
+        self._local.pop(version_key, None)
+        self._epochs[version_key] = self._epochs.get(version_key, 0) + 1
+
+    def clear(self) -> None:
+        self._local.clear()
+        self._global_epoch += 1
+
+    async def get(self, version_key: str, load: Callable[[], Awaitable[T]]) -> T:
+        entry = self._local.get(version_key)
+        now = self._clock()
+        if entry is not None and entry.expires > now and self.local_enabled:
+            return entry.value
+        epoch = (self._epochs.get(version_key, 0), self._global_epoch)
+        prefix = version_key + ":v"
+        try:
+            version, raw = await self._read(keys=[version_key], args=[prefix])
+        except REDIS_DOWN as e:
+            raise unavailable(e) from e
+        if raw is not None:
+            value = self._decode(raw)
+        else:
+            value = await load()
+            try:
+                await self._redis.set(prefix + version.decode(), self._encode(value), ex=self._redis_ttl, nx=True)
+            except REDIS_DOWN as e:
+                raise unavailable(e) from e
+        if self.local_enabled and epoch == (self._epochs.get(version_key, 0), self._global_epoch):
+            self._local[version_key] = _Entry(value, self._clock() + self._local_ttl)
+        return value
+
+
+def json_codec(
+    to_json: Callable[[T], object], from_json: Callable[[object], T]
+) -> tuple[Callable[[T], bytes], Callable[[bytes], T]]:
+    return (lambda v: orjson.dumps(to_json(v))), (lambda raw: from_json(orjson.loads(raw)))
+
+
+class InvalidationListener:
+    """Subscribes to the invalidation channel and evicts local cache entries on every event.
+
+    While the subscription is down, local caching is switched off (every read goes to Redis), and when it comes
+    back every local entry is dropped, so an event missed during the gap cannot leave a stale entry behind.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        channel: str,
+        handler: Callable[[dict[str, str]], None],
+        caches: list[TieredCache[Any]],
+    ) -> None:
+        self._redis = redis
+        self._channel = channel
+        self._handler = handler
+        self._caches = caches
+        self._task: asyncio.Task[None] | None = None
+        self.connected = asyncio.Event()
+
+    def _set_local(self, enabled: bool) -> None:
+        for cache in self._caches:
+            cache.local_enabled = enabled
+            cache.clear()
+
+    async def start(self) -> None:
+        self._set_local(False)
+        self._task = asyncio.create_task(self._run(), name="ibex-invalidation")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(self._channel)
+                self._set_local(True)
+                self.connected.set()
+                backoff = 0.05
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    try:
+                        event = orjson.loads(message["data"])
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(event, dict):
+                        self._handler({str(k): str(v) for k, v in event.items()})
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # connection lost: disable local caching until resubscribed
+                self.connected.clear()
+                self._set_local(False)
+                log.warning("invalidation subscription lost (%s); retrying", type(e).__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                with contextlib.suppress(Exception):  # closing a possibly broken connection
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]

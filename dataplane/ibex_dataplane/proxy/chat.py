@@ -1,0 +1,347 @@
+"""``POST /v1/chat/completions``: the chat-specific gates, the provider handoff and the after-response work.
+
+After the shared gates (:mod:`ibex_dataplane.proxy.gates`): model policy -> rate limit -> request validation ->
+budget hold -> directive + session -> provider handoff. After the answer (JSON or SSE) has been produced, the
+budget hold is settled to the actual usage, the TPM counters corrected, and the session checkpoint and the
+analytics rows written; those run as shielded background tasks so a client disconnect cannot cut them short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ibex_dataplane.providers.base import ChatRequest, StreamChunk, StreamDone, Usage
+from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo
+from ibex_dataplane.providers.errors import ProviderError, UpstreamRejected
+from ibex_dataplane.providers.registry import ProviderRegistry
+from ibex_dataplane.providers.tokens import estimate_chat_tokens
+from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetHold, BudgetPolicy, BudgetService, Enforcement
+from ibex_dataplane.proxy.directives import DirectiveService, inject_directive
+from ibex_dataplane.proxy.errors import ApiError, error_response
+from ibex_dataplane.proxy.gates import GatePipeline, GateState, session_id_of
+from ibex_dataplane.proxy.metrics import ProxyMetrics
+from ibex_dataplane.proxy.middleware import request_id_of, server_request_id_of
+from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
+from ibex_dataplane.proxy.sessions import SessionService
+from ibex_dataplane.proxy.validation import validate_chat_body
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE = 120.0
+
+
+@dataclass
+class ChatPlan:
+    """What the chat gates decided; the handoff and the after-response work use it."""
+
+    model: ModelInfo
+    limits: RateLimits
+    prompt_tokens: int = 0
+    max_output: int = 0
+    charged_tokens: int = 0
+    body: dict[str, Any] = field(default_factory=dict)
+    hold: BudgetHold | None = None
+    session_id: str = ""
+    directive_version: int | None = None
+    rate_window: int | None = None
+
+
+class BackgroundTasks:
+    """After-response work: tracked so shutdown can wait for it, shielded from request cancellation."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._metrics = metrics
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, object]) -> None:
+        async def guarded() -> None:
+            try:
+                await coro
+            except Exception:
+                self._metrics.background_failures.labels(name).inc()
+                log.exception("background task %s failed", name)
+
+        task = asyncio.get_running_loop().create_task(guarded(), name=f"ibex-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+
+
+@dataclass
+class ChatServices:
+    catalog: ModelCatalog
+    providers: ProviderRegistry
+    rate_limiter: RateLimiter
+    budgets: BudgetService
+    directives: DirectiveService
+    sessions: SessionService
+    metrics: ProxyMetrics
+    background: BackgroundTasks
+
+
+def _plan(state: GateState) -> ChatPlan:
+    plan = state.extra.get("chat")
+    assert isinstance(plan, ChatPlan), "model gate did not run"
+    return plan
+
+
+# -- chat gates --------------------------------------------------------------------------------------------------
+
+
+def model_policy(catalog: ModelCatalog) -> Any:
+    async def gate(state: GateState) -> None:
+        policy, agent = state.require_agent()
+        body = state.json_or_none()  # a broken body is reported by the validation gate, in its turn
+        requested = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
+        name = policy.resolve_model(requested or None, agent)
+        if name is None:
+            raise ApiError(
+                400, "VALIDATION_ERROR", "no model given and no default model configured",
+                field_errors=[{"field": "model", "message": "is required"}],
+            )  # fmt: skip
+        if not policy.model_allowed(name):
+            raise ApiError(403, "MODEL_NOT_ALLOWED", f"model '{name}' is not allowed for this organization")
+        info = catalog.get(name)
+        if info is None:
+            raise ApiError(404, "NOT_FOUND", f"model '{name}' does not exist")
+        limits = RateLimits(agent_rpm=agent.rpm, agent_tpm=agent.tpm, org_rpm=policy.rpm, org_tpm=policy.tpm)
+        state.extra["chat"] = ChatPlan(model=info, limits=limits)
+
+    return gate
+
+
+def _max_output(body: Any, model: ModelInfo) -> int:
+    limits = [
+        v
+        for v in ((body.get("max_tokens"), body.get("max_completion_tokens")) if isinstance(body, dict) else ())
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0
+    ]
+    return min([model.max_output_tokens, *limits])
+
+
+def rate_limit(limiter: RateLimiter) -> Any:
+    async def gate(state: GateState) -> None:
+        plan = _plan(state)
+        caller = state.require_caller()
+        _, agent = state.require_agent()
+        body = state.json_or_none()
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+            plan.prompt_tokens = estimate_chat_tokens(messages, plan.model.tokenizer_family, tools).tokens
+        else:
+            plan.prompt_tokens = len(state.raw_body)  # bytes bound tokens from above
+        plan.max_output = _max_output(body, plan.model)
+        plan.charged_tokens = plan.prompt_tokens + plan.max_output
+        decision = await limiter.admit(caller.org_id, agent.id, plan.limits, plan.charged_tokens)
+        plan.rate_window = decision.window
+        state.response_headers.update(decision.headers())
+        if decision.oversized:
+            raise ApiError(
+                422, "UNPROCESSABLE", "the request alone needs more tokens than the per-minute token limit allows"
+            )
+        if not decision.allowed:
+            raise ApiError(429, "RATE_LIMITED", "rate limit exceeded", headers=decision.headers())
+
+    return gate
+
+
+async def validate_request(state: GateState) -> None:
+    plan = _plan(state)
+    body = validate_chat_body(state.json())
+    plan.body = {**body, "model": plan.model.name}
+
+
+def budget_hold(budgets: BudgetService, catalog: ModelCatalog) -> Any:
+    async def gate(state: GateState) -> None:
+        plan = _plan(state)
+        caller = state.require_caller()
+        policy, agent = state.require_agent()
+        amount = catalog.worst_case_cost(plan.model, plan.prompt_tokens, plan.max_output)
+        budget = BudgetPolicy(
+            org_limit_usd=policy.budget_limit,
+            agent_limit_usd=agent.budget_limit,
+            enforcement=Enforcement(policy.enforcement),
+        )
+        try:
+            plan.hold = await budgets.hold(caller.org_id, agent.id, state.server_request_id, amount, budget)
+        except BudgetExceeded as e:
+            raise ApiError(402, "BUDGET_EXCEEDED", f"the {e.scope} budget for this month is exhausted") from e
+
+    return gate
+
+
+def directive_and_session(directives: DirectiveService) -> Any:
+    async def gate(state: GateState) -> None:
+        plan = _plan(state)
+        caller = state.require_caller()
+        _, agent = state.require_agent()
+        plan.session_id = session_id_of(state.request)
+        state.response_headers["X-IBEX-Session-ID"] = plan.session_id
+        directive = await directives.active(caller.org_id, agent.id)
+        if directive is not None:
+            plan.directive_version = directive.version
+            plan.body["messages"] = inject_directive(plan.body["messages"], directive)
+
+    return gate
+
+
+# -- handoff -----------------------------------------------------------------------------------------------------
+
+
+def _provider_error_response(e: ProviderError, state: GateState) -> web.Response:
+    headers = dict(state.response_headers)
+    if e.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(e.retry_after)))
+    if isinstance(e, UpstreamRejected):
+        err = e.body.get("error") if isinstance(e.body, dict) else None
+        message = err.get("message") if isinstance(err, dict) and isinstance(err.get("message"), str) else e.message
+        code = "UNPROCESSABLE" if e.status == 422 else "VALIDATION_ERROR" if e.status == 400 else "PROVIDER_ERROR"
+        status = e.status if 400 <= e.status < 500 else 502
+        return error_response(status, code, f"upstream rejected the request: {message}", state.request_id,
+                              headers=headers)  # fmt: skip
+    return error_response(e.status, e.code, e.message, state.request_id, headers=headers)
+
+
+class ChatHandler:
+    def __init__(self, pipeline: GatePipeline, services: ChatServices) -> None:
+        self._pipeline = pipeline
+        self._s = services
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        state = GateState(request, request_id_of(request), "chat", server_request_id=server_request_id_of(request))
+        try:
+            await self._pipeline.run(state)
+        except ApiError as e:
+            e.headers = {**state.response_headers, **e.headers}
+            plan = state.extra.get("chat")
+            if isinstance(plan, ChatPlan) and plan.hold is not None:
+                self._s.background.spawn("release", self._s.budgets.release(plan.hold))
+            raise
+        plan = _plan(state)
+        chat = ChatRequest(
+            body=plan.body, model=plan.model.name, deadline=time.monotonic() + DEFAULT_DEADLINE,
+            request_id=state.request_id,
+        )  # fmt: skip
+        if plan.body.get("stream") is True:
+            return await self._stream(state, plan, chat)
+        return await self._complete(state, plan, chat)
+
+    async def _complete(self, state: GateState, plan: ChatPlan, chat: ChatRequest) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            answer = await self._s.providers.complete(chat)
+        except ProviderError as e:
+            self._s.metrics.provider_calls.labels(plan.model.provider, e.code).inc()
+            self._after(state, plan, None, plan.model.name)
+            return _provider_error_response(e, state)
+        except BaseException:
+            self._after(state, plan, None, plan.model.name)
+            raise
+        self._s.metrics.provider_calls.labels(answer.provider, "ok").inc()
+        self._s.metrics.provider_seconds.labels(answer.provider).observe(time.perf_counter() - started)
+        self._after(state, plan, answer.usage, answer.model, content_digest(answer.body.get("choices")))
+        return web.Response(body=orjson.dumps(answer.body), content_type="application/json",
+                            headers=state.response_headers)  # fmt: skip
+
+    async def _stream(self, state: GateState, plan: ChatPlan, chat: ChatRequest) -> web.StreamResponse:
+        usage: Usage | None = None
+        served_by = plan.model.name
+        response: web.StreamResponse | None = None
+        digest = hashlib.sha256()
+        try:
+            async with self._s.providers.stream(chat) as events:
+                response = web.StreamResponse(
+                    status=200,
+                    headers={**state.response_headers, "Content-Type": "text/event-stream",
+                             "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )  # fmt: skip
+                await response.prepare(state.request)
+                try:
+                    async for event in events:
+                        if isinstance(event, StreamChunk):
+                            digest.update(event.data)
+                            await response.write(b"data: " + event.data + b"\n\n")
+                        elif isinstance(event, StreamDone):
+                            usage, served_by = event.usage, event.model
+                except ProviderError as e:
+                    self._s.metrics.provider_calls.labels(plan.model.provider, e.code).inc()
+                    error = {"error": {"code": e.code, "message": e.message, "request_id": state.request_id}}
+                    await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+        except ProviderError as e:
+            self._s.metrics.provider_calls.labels(plan.model.provider, e.code).inc()
+            self._after(state, plan, usage, served_by)
+            if response is None:
+                return _provider_error_response(e, state)
+            return response
+        except (ConnectionResetError, asyncio.CancelledError):
+            self._after(state, plan, usage, served_by)
+            raise
+        except BaseException:
+            self._after(state, plan, usage, served_by)
+            raise
+        self._s.metrics.provider_calls.labels(plan.model.provider, "ok").inc()
+        self._after(state, plan, usage, served_by, digest.hexdigest())
+        assert response is not None
+        return response
+
+    # -- after the answer ----------------------------------------------------------------------------------------
+    def _after(
+        self, state: GateState, plan: ChatPlan, usage: Usage | None, served_by: str, completion: str | None = None
+    ) -> None:
+        """Settle or release the hold, correct the TPM charge, checkpoint the session; never blocks the answer."""
+        caller = state.require_caller()
+        _, agent = state.require_agent()
+        s = self._s
+        if plan.hold is not None:
+            if usage is None:
+                s.background.spawn("release", s.budgets.release(plan.hold))
+            else:
+                cost = s.catalog.cost(served_by, usage.prompt_tokens, usage.completion_tokens)
+                s.background.spawn(
+                    "settle",
+                    s.budgets.settle(plan.hold, cost, model=served_by, prompt_tokens=usage.prompt_tokens,
+                                     completion_tokens=usage.completion_tokens),
+                )  # fmt: skip
+        used = usage.total_tokens if usage is not None else 0
+        delta = used - plan.charged_tokens
+        if delta:
+            s.background.spawn(
+                "tpm",
+                s.rate_limiter.adjust_tokens(caller.org_id, agent.id, plan.limits, delta, window=plan.rate_window),
+            )
+        if usage is not None:
+            s.background.spawn(
+                "checkpoint",
+                s.sessions.record_turn(
+                    caller.org_id, agent.id, plan.session_id, request_id=state.request_id,
+                    message_digests=[content_digest(m) for m in plan.body.get("messages", [])],
+                    completion_digest=completion, prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    latency_ms=(time.perf_counter() - state.started) * 1000,
+                ),
+            )  # fmt: skip
+
+
+def content_digest(value: Any) -> str:
+    """SHA-256 of a JSON value; what session checkpoints keep instead of text."""
+    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def usd(value: Decimal) -> str:
+    return format(value, "f")

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the proxy, named ``ibex_proxy_<noun>_<unit>``; no tenant ids as labels.
+
+One registry per application (no global state), rendered by ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_SLOW = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.gate_seconds = Histogram(
+            "ibex_proxy_gate_duration_seconds", "Time spent in each gate of the protected path.", ["gate"],
+            buckets=_FAST, registry=r,
+        )  # fmt: skip
+        self.gate_outcomes = Counter(
+            "ibex_proxy_gate_outcomes_total", "Gate results: pass or the error code it raised.", ["gate", "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "ibex_proxy_request_duration_seconds", "Whole request latency per route.", ["route", "status"],
+            buckets=_SLOW, registry=r,
+        )  # fmt: skip
+        self.provider_calls = Counter(
+            "ibex_proxy_provider_calls_total", "Provider calls by provider and outcome.", ["provider", "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.provider_seconds = Histogram(
+            "ibex_proxy_provider_duration_seconds", "Provider call latency (to last byte).", ["provider"],
+            buckets=_SLOW, registry=r,
+        )  # fmt: skip
+        self.degradations = Counter(
+            "ibex_proxy_degradations_total", "Work that degraded instead of failing (context, analytics...).",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.background_failures = Counter(
+            "ibex_proxy_background_failures_total", "After-response work that failed (settle, checkpoint...).",
+            ["task"], registry=r,
+        )  # fmt: skip
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

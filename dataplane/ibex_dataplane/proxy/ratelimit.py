@@ -1,0 +1,349 @@
+"""The proxy's rate-limit gate: requests and tokens per minute, per agent and per org, decided atomically in Redis.
+
+Owns the rate-limit algorithm, its two Lua scripts and the meaning of the ``X-RateLimit-*`` headers (architecture
+sections 6.3 and 7). The proxy's gate pipeline calls :meth:`RateLimiter.admit` after the policy snapshot and before
+request validation, and :meth:`RateLimiter.adjust_tokens` once the provider has reported actual usage. Keys come
+from :class:`ibex_dataplane.store.keys.TenantKeys`; nothing here logs, so no tenant id reaches a log line.
+
+Algorithm: fixed windows of 60 s aligned to the clock (window id ``floor(now_ms / 60000)``). Each scope (the agent,
+the org) has one hash holding its current window id and two counters, requests ``r`` and tokens ``t``. One Lua
+script per decision reads both hashes, checks all four tiers against the counts of the current window and only
+when every tier passes increments the hash of each limited scope; a denial writes nothing, so a denial by one tier
+never consumes another. A new window is started by overwriting the hash, which is also when its expiry is set
+(window end plus 10 s); later writes never extend it, so a key outlives its window only by that grace.
+
+Guarantee: because Redis runs each script alone, the decisions of any number of proxy replicas sharing one Redis
+are serialised. For every window and every tier, the requests admitted (and the token estimates charged at
+admission) in that window never exceed the limit, and a request is denied only if admitting it would exceed some
+limit: the count is exact, not approximate. A later upward token correction (actual usage above the estimate) is
+charged even past the limit and then denies further requests until the window ends. As with any fixed window, a
+burst straddling a boundary can see up to twice the limit within one sliding 60 s span. Counts may only err
+upwards: a script that ran but whose reply was lost (timeout, cancellation, a client retry after a timeout) is
+counted although the caller saw an error.
+
+Clock: by default the script reads the Redis server's ``TIME`` (allowed in scripts since Redis 5, which replicate
+script effects), so every replica uses one clock and agrees on window boundaries and ``Retry-After`` whatever its
+own clock says. A ``clock`` callable can be injected instead (tests move time that way); its value is sent with
+each call. Windows in a hash never move backwards: a caller whose clock lags counts into the newer window already
+stored rather than resetting it, so small skew between injected clocks cannot reopen a window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+from uuid import UUID
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ibex_dataplane.store.keys import TenantKeys
+from ibex_dataplane.store.redis import REDIS_DOWN, unavailable
+
+WINDOW_SECONDS: Final = 60
+"""Length of a rate-limit window; limits are per minute."""
+
+_WINDOW_MS: Final = WINDOW_SECONDS * 1000
+_EXPIRY_GRACE_MS: Final = 10_000
+"""How long a window's hash outlives the window: covers small clock differences and in-flight adjustments."""
+
+# Any Redis error means no decision could be made: the gate fails closed (503), whatever the cause.
+_REDIS_FAILURES: Final[tuple[type[BaseException], ...]] = (RedisError, *REDIS_DOWN)
+
+_UNLIMITED: Final = -1
+_SERVER_CLOCK: Final = ""
+
+# Tier names, in the order the admit script numbers them (1-based).
+_TIERS: Final = ("agent_rpm", "agent_tpm", "org_rpm", "org_tpm")
+
+# Shared prologue: the current time in ms, from the server clock or from the caller.
+_NOW_LUA = """
+local now
+if ARGV[1] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+else
+  now = tonumber(ARGV[1])
+end
+local span = tonumber(ARGV[2])
+local window = math.floor(now / span)
+"""
+
+# KEYS: agent window hash, org window hash.
+# ARGV: now ms or '', window ms, agent_rpm, agent_tpm, org_rpm, org_tpm (-1 = unlimited), tokens, expiry grace ms.
+# Returns {denied tier (0 = admitted, else 1-based index into _TIERS), oversized 0/1, ms until the window ends,
+#          window id, agent requests in window, org requests in window} (counts after this decision).
+_ADMIT_LUA = (
+    _NOW_LUA
+    + """
+local lim = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])}
+local tokens = tonumber(ARGV[7])
+local grace = tonumber(ARGV[8])
+local used = {lim[1] >= 0 or lim[2] >= 0, lim[3] >= 0 or lim[4] >= 0}
+
+-- Read both scopes; a window never moves backwards, so a lagging clock joins the newest window stored.
+local stored = {{}, {}}
+for i = 1, 2 do
+  if used[i] then
+    local v = redis.call('HMGET', KEYS[i], 'w', 'r', 't')
+    stored[i] = {tonumber(v[1]), tonumber(v[2]) or 0, tonumber(v[3]) or 0}
+    if stored[i][1] and stored[i][1] > window then window = stored[i][1] end
+  end
+end
+local req = {0, 0}
+local tok = {0, 0}
+for i = 1, 2 do
+  if used[i] and stored[i][1] == window then
+    req[i] = stored[i][2]
+    tok[i] = stored[i][3]
+  end
+end
+
+-- Check every tier before touching anything. A request larger than a token limit can never pass: report it first.
+local denied = 0
+local oversized = 0
+if lim[2] >= 0 and tokens > lim[2] then
+  denied = 2; oversized = 1
+elseif lim[4] >= 0 and tokens > lim[4] then
+  denied = 4; oversized = 1
+elseif lim[1] >= 0 and req[1] + 1 > lim[1] then
+  denied = 1
+elseif lim[2] >= 0 and tok[1] + tokens > lim[2] then
+  denied = 2
+elseif lim[3] >= 0 and req[2] + 1 > lim[3] then
+  denied = 3
+elseif lim[4] >= 0 and tok[2] + tokens > lim[4] then
+  denied = 4
+end
+
+local reset = (window + 1) * span - now
+if denied == 0 then
+  for i = 1, 2 do
+    if used[i] then
+      if stored[i][1] == window then
+        redis.call('HINCRBY', KEYS[i], 'r', 1)
+        if tokens > 0 then redis.call('HINCRBY', KEYS[i], 't', tokens) end
+      else
+        redis.call('HSET', KEYS[i], 'w', window, 'r', 1, 't', tokens)
+        redis.call('PEXPIRE', KEYS[i], reset + grace)
+      end
+      req[i] = req[i] + 1
+    end
+  end
+end
+return {denied, oversized, reset, window, req[1], req[2]}
+"""
+)
+
+# KEYS: agent window hash, org window hash.
+# ARGV: now ms or '', window ms, token delta, window id of the admit or '', touch agent '1'/'0', touch org '1'/'0',
+#       expiry grace ms.
+# A positive delta is charged to the current window (starting it if needed): those tokens were spent now. A
+# negative delta is refunded only to the window that was charged (the current one if unknown), never below zero.
+_ADJUST_LUA = (
+    _NOW_LUA
+    + """
+local delta = tonumber(ARGV[3])
+local charged = tonumber(ARGV[4])
+local grace = tonumber(ARGV[7])
+for i = 1, 2 do
+  if ARGV[4 + i] == '1' then
+    local v = redis.call('HMGET', KEYS[i], 'w', 't')
+    local w = tonumber(v[1])
+    if delta > 0 then
+      local target = window
+      if w and w > target then target = w end
+      if w == target then
+        redis.call('HINCRBY', KEYS[i], 't', delta)
+      else
+        redis.call('HSET', KEYS[i], 'w', target, 'r', 0, 't', delta)
+        redis.call('PEXPIRE', KEYS[i], (target + 1) * span - now + grace)
+      end
+    elseif w and ((charged and w == charged) or (not charged and w >= window)) then
+      local t = (tonumber(v[2]) or 0) + delta
+      if t < 0 then t = 0 end
+      redis.call('HSET', KEYS[i], 't', t)
+    end
+  end
+end
+return 0
+"""
+)
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """Per-minute limits of one agent and its org; ``None`` means unlimited for that tier, ``0`` admits nothing."""
+
+    agent_rpm: int | None
+    agent_tpm: int | None
+    org_rpm: int | None
+    org_tpm: int | None
+
+    def __post_init__(self) -> None:
+        for name in _TIERS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"rate limit {name} must be a non-negative integer or None, got {value!r}")
+
+    @property
+    def unlimited(self) -> bool:
+        return self.agent_rpm is None and self.agent_tpm is None and self.org_rpm is None and self.org_tpm is None
+
+    @property
+    def limits_agent(self) -> bool:
+        return self.agent_rpm is not None or self.agent_tpm is not None
+
+    @property
+    def limits_org(self) -> bool:
+        return self.org_rpm is not None or self.org_tpm is not None
+
+
+@dataclass(frozen=True)
+class RateDecision:
+    """The outcome of one admission, and what the proxy tells the client about it."""
+
+    allowed: bool
+    limit: int | None
+    """The requests-per-minute limit of the tightest request tier (fewest requests left), for X-RateLimit-Limit."""
+    remaining: int | None
+    """Requests left in that tier's window after this decision, for X-RateLimit-Remaining."""
+    reset_seconds: float
+    """Seconds until the current window ends and every counter starts again."""
+    retry_after: int | None
+    """Whole seconds to wait before retrying (at least 1), set when denied."""
+    denied_by: str | None
+    """``"agent_rpm"``, ``"agent_tpm"``, ``"org_rpm"`` or ``"org_tpm"`` when denied."""
+    oversized: bool = False
+    """Denied because the request alone exceeds a token limit: waiting will not help."""
+    window: int | None = None
+    """Id of the window the request was counted in (pass it to :meth:`RateLimiter.adjust_tokens`); ``None`` when
+    no tier is limited, in which case nothing was counted and no rate-limit headers apply."""
+
+    def headers(self) -> dict[str, str]:
+        """``X-RateLimit-Limit``/``-Remaining`` when a request tier applies, ``-Reset`` when any tier applies (whole
+        seconds, rounded up), and ``Retry-After`` when denied."""
+        out: dict[str, str] = {}
+        if self.limit is not None and self.remaining is not None:
+            out["X-RateLimit-Limit"] = str(self.limit)
+            out["X-RateLimit-Remaining"] = str(self.remaining)
+        if self.window is not None:
+            out["X-RateLimit-Reset"] = str(_whole_seconds(self.reset_seconds))
+        if not self.allowed and self.retry_after is not None:
+            out["Retry-After"] = str(self.retry_after)
+        return out
+
+
+def _whole_seconds(seconds: float) -> int:
+    return max(1, math.ceil(seconds))
+
+
+def _arg(limit: int | None) -> int:
+    return _UNLIMITED if limit is None else limit
+
+
+class RateLimiter:
+    """Admits or denies requests against :class:`RateLimits`, exactly, across every replica sharing one Redis.
+
+    ``clock`` returns seconds since the epoch; leave it ``None`` in production so all replicas use the Redis
+    server's clock (see the module docstring). Redis failures raise
+    :class:`~ibex_dataplane.store.errors.StoreUnavailable`: the gate fails closed.
+    """
+
+    def __init__(self, redis: aioredis.Redis, *, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock
+        # register_script runs EVALSHA and loads the script on NOSCRIPT (e.g. after a Redis restart or failover).
+        self._admit = redis.register_script(_ADMIT_LUA)
+        self._adjust = redis.register_script(_ADJUST_LUA)
+
+    def _now_arg(self) -> int | str:
+        return _SERVER_CLOCK if self._clock is None else round(self._clock() * 1000)
+
+    async def admit(self, org_id: UUID, agent_id: UUID, limits: RateLimits, tokens: int) -> RateDecision:
+        """Count one request and ``tokens`` (the conservative estimate: prompt plus maximum output) against every
+        limited tier, or count nothing and deny. One Redis round trip; none at all when nothing is limited."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be non-negative, got {tokens}")
+        if limits.unlimited:
+            now = self._clock() if self._clock is not None else time.time()
+            return RateDecision(True, None, None, WINDOW_SECONDS - now % WINDOW_SECONDS, None, None)
+        keys = TenantKeys(org_id)
+        try:
+            raw = await self._admit(
+                keys=[keys.agent_rate_window(agent_id), keys.org_rate_window()],
+                args=[
+                    self._now_arg(),
+                    _WINDOW_MS,
+                    _arg(limits.agent_rpm),
+                    _arg(limits.agent_tpm),
+                    _arg(limits.org_rpm),
+                    _arg(limits.org_tpm),
+                    tokens,
+                    _EXPIRY_GRACE_MS,
+                ],
+            )
+        except _REDIS_FAILURES as e:
+            raise unavailable(e) from e
+        denied, oversized, reset_ms, window, agent_requests, org_requests = (int(x) for x in raw)
+        limit, remaining = _tightest(
+            (limits.agent_rpm, agent_requests),
+            (limits.org_rpm, org_requests),
+        )
+        reset_seconds = reset_ms / 1000
+        return RateDecision(
+            allowed=denied == 0,
+            limit=limit,
+            remaining=remaining,
+            reset_seconds=reset_seconds,
+            retry_after=None if denied == 0 else _whole_seconds(reset_seconds),
+            denied_by=None if denied == 0 else _TIERS[denied - 1],
+            oversized=bool(oversized),
+            window=window,
+        )
+
+    async def adjust_tokens(
+        self, org_id: UUID, agent_id: UUID, limits: RateLimits, delta: int, *, window: int | None = None
+    ) -> None:
+        """Correct an admitted request's token charge by ``delta`` = actual usage minus the admitted estimate.
+
+        A positive delta is charged to the current window. A negative delta is refunded to ``window`` (the
+        admitting decision's :attr:`RateDecision.window`) only while that window is current, or to the current
+        window when ``window`` is not given; a refund never takes a counter below zero. Only call it for admitted
+        requests. Raises StoreUnavailable like :meth:`admit`; a caller may ignore that, since a lost correction
+        only leaves the conservative estimate charged.
+        """
+        if delta == 0 or limits.unlimited:
+            return
+        keys = TenantKeys(org_id)
+        try:
+            await self._adjust(
+                keys=[keys.agent_rate_window(agent_id), keys.org_rate_window()],
+                args=[
+                    self._now_arg(),
+                    _WINDOW_MS,
+                    delta,
+                    "" if window is None else window,
+                    "1" if limits.limits_agent else "0",
+                    "1" if limits.limits_org else "0",
+                    _EXPIRY_GRACE_MS,
+                ],
+            )
+        except _REDIS_FAILURES as e:
+            raise unavailable(e) from e
+
+
+def _tightest(*tiers: tuple[int | None, int]) -> tuple[int | None, int | None]:
+    """The (limit, remaining) of the request tier with the fewest requests left; ties go to the smaller limit."""
+    best: tuple[int, int] | None = None
+    for limit, used in tiers:
+        if limit is None:
+            continue
+        candidate = (max(0, limit - used), limit)
+        if best is None or candidate < best:
+            best = candidate
+    if best is None:
+        return None, None
+    return best[1], best[0]

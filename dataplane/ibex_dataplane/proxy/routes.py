@@ -1,0 +1,86 @@
+"""Handlers of the non-chat protected routes: models, me, auth-probe, session terminate. HTTP in, service out."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from ibex_dataplane.providers.catalog import ModelCatalog
+from ibex_dataplane.proxy.errors import ApiError
+from ibex_dataplane.proxy.gates import GatePipeline, GateState
+from ibex_dataplane.proxy.middleware import request_id_of
+from ibex_dataplane.proxy.policy import PolicyService
+from ibex_dataplane.proxy.sessions import SessionService
+
+
+class ProtectedRoutes:
+    def __init__(
+        self,
+        *,
+        keyed: GatePipeline,
+        bound: GatePipeline,
+        catalog: ModelCatalog,
+        sessions: SessionService,
+        policies: PolicyService,
+    ) -> None:
+        self._keyed = keyed  # body, content type, key (no agent needed)
+        self._bound = bound  # ... plus agent binding and status
+        self._catalog = catalog
+        self._sessions = sessions
+        self._policies = policies
+
+    async def _run(self, pipeline: GatePipeline, request: web.Request, scope: str) -> GateState:
+        state = GateState(request, request_id_of(request), scope)
+        await pipeline.run(state)
+        return state
+
+    async def models(self, request: web.Request) -> web.Response:
+        """Models the key's org may use (agent binding is optional here: the list is per org)."""
+        state = await self._run(self._bound if request.headers.get("X-IBEX-Agent-ID") else self._keyed, request,
+                                "chat")  # fmt: skip
+        caller = state.require_caller()
+        policy = state.policy or await self._policies.snapshot(caller.org_id)
+        created = int(time.time())
+        data = [
+            {"id": m.name, "object": "model", "created": created, "owned_by": m.provider,
+             "context_window": m.context_window, "max_output_tokens": m.max_output_tokens}
+            for m in self._catalog
+            if policy is not None and policy.model_allowed(m.name)
+        ]  # fmt: skip
+        return web.json_response({"object": "list", "data": data})
+
+    async def me(self, request: web.Request) -> web.Response:
+        state = await self._run(self._keyed, request, "any")
+        caller = state.require_caller()
+        policy = await self._policies.snapshot(caller.org_id)
+        agents = [
+            {"id": str(a.id), "name": a.name, "suspended": a.suspended}
+            for a in (policy.agents.values() if policy else [])
+            if a.id in caller.agent_ids
+        ]
+        return web.json_response(
+            {
+                "org_id": str(caller.org_id),
+                "org_name": policy.org_name if policy else None,
+                "key_id": caller.key_id,
+                "scopes": sorted(caller.scopes),
+                "agents": sorted(agents, key=lambda a: a["name"]),
+            }
+        )
+
+    async def auth_probe(self, request: web.Request) -> web.Response:
+        state = await self._run(self._keyed, request, "any")
+        caller = state.require_caller()
+        if request.match_info["org_id"] != str(caller.org_id):
+            raise ApiError(403, "PATH_ORG_MISMATCH", "the organization in the path is not the API key's")
+        return web.json_response({"ok": True, "org_id": str(caller.org_id), "key_id": caller.key_id})
+
+    async def terminate_session(self, request: web.Request) -> web.Response:
+        state = await self._run(self._bound, request, "chat")
+        caller = state.require_caller()
+        _, agent = state.require_agent()
+        session_id = request.match_info["session_id"]
+        if len(session_id) > 128 or not await self._sessions.terminate(caller.org_id, agent.id, session_id):
+            raise ApiError(404, "NOT_FOUND", "no such active session")
+        return web.json_response({"id": session_id, "status": "closed"})

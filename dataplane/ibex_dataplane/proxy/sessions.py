@@ -1,0 +1,78 @@
+"""Sessions: the client's X-IBEX-Session-ID mapped to a row, one checkpoint per turn, never message text.
+
+Checkpoints keep SHA-256 digests of each message and of the completion, token counts and latency. Writing them
+is after-response work that degrades (a failure is counted, the answer is unaffected). Idle sessions are closed
+by :meth:`SessionService.sweep_idle`, which the proxy runs periodically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from uuid import UUID
+
+from ibex_dataplane.store.postgres import Database
+
+
+class SessionService:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def record_turn(
+        self,
+        org_id: UUID,
+        agent_id: UUID,
+        external_id: str,
+        *,
+        request_id: str,
+        message_digests: Sequence[str],
+        completion_digest: str | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        latency_ms: float,
+    ) -> int:
+        """Append a checkpoint (reopening a closed session of the same id); returns the turn number."""
+        async with self._db.tenant(org_id, agent_id) as conn:
+            row = await conn.fetchrow(
+                """
+                INSERT INTO sessions (org_id, agent_id, external_id, turn_count)
+                VALUES ($1, $2, $3, 1)
+                ON CONFLICT (org_id, agent_id, external_id) DO UPDATE SET
+                    turn_count = sessions.turn_count + 1, last_activity_at = now(),
+                    status = 'active', closed_at = NULL, close_reason = NULL
+                RETURNING id, turn_count
+                """,
+                org_id,
+                agent_id,
+                external_id,
+            )
+            assert row is not None
+            await conn.execute(
+                """
+                INSERT INTO session_checkpoints (session_id, turn, org_id, agent_id, request_id, messages_sha256,
+                    completion_sha256, prompt_tokens, completion_tokens, latency_ms)
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+                ON CONFLICT DO NOTHING
+                """,
+                row["id"], row["turn_count"], org_id, agent_id, request_id, list(message_digests),
+                completion_digest, prompt_tokens, completion_tokens, latency_ms,
+            )  # fmt: skip
+            turn: int = row["turn_count"]
+            return turn
+
+    async def terminate(self, org_id: UUID, agent_id: UUID, external_id: str) -> bool:
+        """Close the session; False when the agent has no such session (or it is already closed)."""
+        async with self._db.tenant(org_id, agent_id) as conn:
+            status = await conn.execute(
+                "UPDATE sessions SET status = 'closed', closed_at = now(), close_reason = 'terminated'"
+                " WHERE org_id = $1 AND agent_id = $2 AND external_id = $3 AND status = 'active'",
+                org_id,
+                agent_id,
+                external_id,
+            )
+        return str(status).endswith(" 1")
+
+    async def sweep_idle(self, idle: timedelta) -> int:
+        async with self._db.unscoped() as conn:
+            closed: int = await conn.fetchval("SELECT ibex_sweep_idle_sessions($1)", idle)
+            return closed
