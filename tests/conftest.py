@@ -71,7 +71,7 @@ async def stores(embedded: EmbeddedRuntime, settings: Settings) -> AsyncIterator
 
 @pytest.fixture(scope="session")
 def pepper() -> bytes:
-    return secrets.token_bytes(32)
+    return secrets.token_hex(32).encode()  # printable, so subprocesses can take it as IBEX_KEY_PEPPER
 
 
 @pytest.fixture(scope="session")

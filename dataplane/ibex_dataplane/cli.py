@@ -3,6 +3,7 @@
 Subcommands:
 - ``ibex dev``: embedded stores, migrations, local tenant manifests, API keys, the data plane; Ctrl-C stops it all.
 - ``ibex migrate``: apply pending Postgres and ClickHouse migrations to the configured stores.
+- ``ibex operator``: the kopf operator that reconciles the four custom resources into the stores.
 """
 
 from __future__ import annotations
@@ -118,11 +119,7 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
         base_url = f"http://{args.host}:{port}"
         print(f"ibex dev ready in {time.monotonic() - started:.1f}s: {base_url} (Ctrl-C to stop)", flush=True)
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await _wait_for_signal()
         print("ibex dev: stopping", flush=True)
         return 0
     finally:
@@ -159,6 +156,53 @@ def cmd_dev(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve_proxy(args: argparse.Namespace, settings: Settings) -> int:
+    urls = StoreUrls.from_settings(settings)
+    if settings.key_pepper:
+        pepper = settings.key_pepper.get_secret_value().encode()
+    else:
+        pepper_file = settings.data_dir / "pepper"
+        if not pepper_file.exists():
+            print("ibex proxy: set IBEX_KEY_PEPPER (or run next to `ibex dev`'s data dir)", file=sys.stderr)
+            return 2
+        pepper = load_or_create_secret(pepper_file)
+    stores = await Stores.open(urls, settings)
+    runner: web.AppRunner | None = None
+    try:
+        runner = web.AppRunner(create_app(settings, stores, pepper=pepper), access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+        port = runner.addresses[0][1] if runner.addresses else args.port
+        print(f"ibex proxy ready: http://{args.host}:{port}", flush=True)
+        await _wait_for_signal()
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await stores.close()
+
+
+def cmd_proxy(args: argparse.Namespace, settings: Settings) -> int:
+    """The proxy stage alone, against the stores in IBEX_* settings or those of a running `ibex dev`."""
+    if args.data_dir:
+        settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
+    try:
+        import uvloop
+
+        return uvloop.run(_serve_proxy(args, settings))
+    except (StoreError, EmbeddedStoreError) as e:
+        print(f"ibex proxy: {e}", file=sys.stderr)
+        return 1
+
+
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     async def run() -> None:
         urls = StoreUrls.from_settings(settings)
@@ -177,6 +221,35 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_operator(args: argparse.Namespace, settings: Settings) -> int:
+    # Imported here: the data plane never imports the operator at module level (the CLI is the composition root).
+    from ibex_operator.app import main as operator_main
+    from ibex_operator.lease import LeaseTiming
+    from ibex_operator.options import OperatorOptions
+
+    if args.data_dir:
+        settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
+    duration = args.lease_duration
+    try:
+        options = OperatorOptions(
+            namespaces=tuple(args.namespace or ()),
+            kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None,
+            lease_name=args.lease_name,
+            lease_namespace=args.lease_namespace or os.environ.get("POD_NAMESPACE") or None,
+            identity=args.identity or os.environ.get("POD_NAME") or "",
+            lease=LeaseTiming(duration, duration * 2 / 3, max(0.2, duration / 7.5)),
+            resync_interval=args.resync_interval,
+            retry_max=args.retry_max,
+            health_host=args.health_host,
+            health_port=args.health_port,
+            migrate=args.migrate,
+        )
+    except ValueError as e:
+        print(f"ibex operator: {e}", file=sys.stderr)
+        return 2
+    return operator_main(options, settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ibex", description="IBEX Harness: memory and gateway layer for agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,8 +262,33 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--keys-out", default=None, help="write issued API keys here as JSON (default DATA_DIR/keys.json)")
     dev.set_defaults(func=cmd_dev)
 
+    proxy = sub.add_parser("proxy", help="run the proxy stage against configured (or `ibex dev`'s) stores")
+    proxy.add_argument("--data-dir", default=None, help="attach to the stores of `ibex dev` running on this data dir")
+    proxy.add_argument("--host", default=None, help="listen address (IBEX_HOST)")
+    proxy.add_argument("--port", type=int, default=None, help="port, 0 for a free one (IBEX_PORT)")
+    proxy.set_defaults(func=cmd_proxy)
+
     migrate = sub.add_parser("migrate", help="apply pending Postgres and ClickHouse migrations")
     migrate.set_defaults(func=cmd_migrate)
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator (Organization, Agent, Directive, ApiKey)")
+    op.add_argument(
+        "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig file (default: KUBECONFIG, in-cluster)"
+    )
+    op.add_argument(
+        "--namespace", action="append", help="watch only this namespace or glob (repeatable; default: all namespaces)"
+    )
+    op.add_argument("--data-dir", default=None, help="attach to the embedded stores of `ibex dev` (runtime.json)")
+    op.add_argument("--identity", default=None, help="leader-election identity (default: POD_NAME, else unique)")
+    op.add_argument("--lease-name", default="ibex-operator", help="name of the leader-election Lease")
+    op.add_argument("--lease-namespace", default=None, help="namespace of the Lease (default: POD_NAMESPACE)")
+    op.add_argument("--lease-duration", type=float, default=15.0, help="seconds before a silent leader is replaced")
+    op.add_argument("--resync-interval", type=float, default=300.0, help="seconds between periodic reconciles")
+    op.add_argument("--retry-max", type=float, default=60.0, help="longest backoff for Ready=False resources (s)")
+    op.add_argument("--health-host", default="127.0.0.1", help="address of /healthz, /readyz and /metrics")
+    op.add_argument("--health-port", type=int, default=None, help="port of the health endpoint (default: off)")
+    op.add_argument("--migrate", action="store_true", help="apply pending migrations once this replica leads")
+    op.set_defaults(func=cmd_operator)
     return parser
 
 

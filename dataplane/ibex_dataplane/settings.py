@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535, description="Port the proxy listens on (0 picks a free one).")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1, description="Largest accepted request body.")
 
+    analytics_flush_seconds: float = Field(
+        default=1.0, gt=0, description="How often buffered analytics rows are flushed to ClickHouse."
+    )
+
     # --- providers ---------------------------------------------------------------------------------------------
     echo_input_price_per_mtok: Decimal = Field(
         default=Decimal("1.00"),

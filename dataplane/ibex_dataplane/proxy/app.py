@@ -18,6 +18,7 @@ from aiohttp import web
 
 from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.providers.registry import ProviderRegistry
+from ibex_dataplane.proxy.analytics import AnalyticsRecorder
 from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
 from ibex_dataplane.proxy.budget import BudgetService
 from ibex_dataplane.proxy.cache import InvalidationListener, TieredCache
@@ -115,6 +116,7 @@ def create_app(
     )
     background = BackgroundTasks(metrics)
     budgets = BudgetService(stores.db)
+    analytics = AnalyticsRecorder(stores.clickhouse, metrics.registry, flush_interval=settings.analytics_flush_seconds)
 
     keyed = [
         ("body_limit", body_limit(settings.max_body_bytes)),
@@ -128,7 +130,7 @@ def create_app(
         registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
         services = ChatServices(
             catalog=catalog, providers=registry, rate_limiter=RateLimiter(stores.redis), budgets=budgets,
-            directives=directives, sessions=sessions, metrics=metrics, background=background,
+            directives=directives, sessions=sessions, metrics=metrics, background=background, analytics=analytics,
         )  # fmt: skip
         app[SERVICES] = services
         chat_pipeline = GatePipeline(
@@ -144,6 +146,7 @@ def create_app(
         )
         app[CHAT] = ChatHandler(chat_pipeline, services)
         await listener.start()
+        await analytics.start()
         sweeper = asyncio.create_task(_sweep(budgets, sessions), name="ibex-sweeper")
         try:
             yield
@@ -153,6 +156,8 @@ def create_app(
                 await sweeper
             await listener.stop()
             await background.drain()
+            await budgets.drain()
+            await analytics.stop()
             await registry.aclose()
             await session.close()
 
@@ -163,7 +168,7 @@ def create_app(
 
     routes = ProtectedRoutes(
         keyed=GatePipeline(keyed, metrics), bound=GatePipeline(bound, metrics), catalog=catalog, sessions=sessions,
-        policies=policies,
+        policies=policies, clickhouse=stores.clickhouse,
     )  # fmt: skip
     health = HealthChecks(
         {
@@ -182,6 +187,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/me", routes.me)
+    app.router.add_get("/v1/usage", routes.usage)
     app.router.add_get("/v1/orgs/{org_id}/auth-probe", routes.auth_probe)
     app.router.add_post("/v1/sessions/{session_id}/terminate", routes.terminate_session)
     app.router.add_get("/healthz", health.healthz)

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -25,6 +26,7 @@ from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo
 from ibex_dataplane.providers.errors import ProviderError, UpstreamRejected
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.providers.tokens import estimate_chat_tokens
+from ibex_dataplane.proxy.analytics import AnalyticsRecorder, Trace
 from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetHold, BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.proxy.directives import DirectiveService, inject_directive
 from ibex_dataplane.proxy.errors import ApiError, error_response
@@ -54,6 +56,12 @@ class ChatPlan:
     session_id: str = ""
     directive_version: int | None = None
     rate_window: int | None = None
+    # What the handoff produced, for the trace:
+    usage: Usage | None = None
+    served_by: str = ""
+    provider: str = ""
+    upstream_ms: float = 0.0
+    cost: Decimal = Decimal(0)
 
 
 class BackgroundTasks:
@@ -90,6 +98,7 @@ class ChatServices:
     sessions: SessionService
     metrics: ProxyMetrics
     background: BackgroundTasks
+    analytics: AnalyticsRecorder
 
 
 def _plan(state: GateState) -> ChatPlan:
@@ -107,6 +116,7 @@ def model_policy(catalog: ModelCatalog) -> Any:
         body = state.json_or_none()  # a broken body is reported by the validation gate, in its turn
         requested = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
         name = policy.resolve_model(requested or None, agent)
+        state.extra["model_name"] = name or ""
         if name is None:
             raise ApiError(
                 400, "VALIDATION_ERROR", "no model given and no default model configured",
@@ -223,22 +233,55 @@ class ChatHandler:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         state = GateState(request, request_id_of(request), "chat", server_request_id=server_request_id_of(request))
+        status, error_code = 500, "INTERNAL_ERROR"
         try:
-            await self._pipeline.run(state)
-        except ApiError as e:
-            e.headers = {**state.response_headers, **e.headers}
-            plan = state.extra.get("chat")
-            if isinstance(plan, ChatPlan) and plan.hold is not None:
-                self._s.background.spawn("release", self._s.budgets.release(plan.hold))
-            raise
-        plan = _plan(state)
-        chat = ChatRequest(
-            body=plan.body, model=plan.model.name, deadline=time.monotonic() + DEFAULT_DEADLINE,
-            request_id=state.request_id,
+            try:
+                await self._pipeline.run(state)
+            except ApiError as e:
+                e.headers = {**state.response_headers, **e.headers}
+                plan = state.extra.get("chat")
+                if isinstance(plan, ChatPlan) and plan.hold is not None:
+                    self._s.background.spawn("release", self._s.budgets.release(plan.hold))
+                status, error_code = e.status, e.code
+                raise
+            plan = _plan(state)
+            chat = ChatRequest(
+                body=plan.body, model=plan.model.name, deadline=time.monotonic() + DEFAULT_DEADLINE,
+                request_id=state.request_id,
+            )  # fmt: skip
+            if plan.body.get("stream") is True:
+                response = await self._stream(state, plan, chat)
+            else:
+                response = await self._complete(state, plan, chat)
+            status = response.status
+            error_code = state.extra.get("error_code", "") if status >= 400 else ""
+            return response
+        finally:
+            self._trace(state, status, error_code)
+
+    def _trace(self, state: GateState, status: int, error_code: str) -> None:
+        """One analytics row per request that got as far as a known org and agent (never content)."""
+        if state.caller is None or state.agent is None:
+            return
+        plan = state.extra.get("chat")
+        plan = plan if isinstance(plan, ChatPlan) else None
+        usage = plan.usage if plan else None
+        self._s.analytics.record(
+            Trace(
+                org_id=state.caller.org_id, agent_id=state.agent.id, request_id=state.server_request_id,
+                ts=datetime.now(UTC), key_id=state.caller.key_id, session_id=plan.session_id if plan else "",
+                route="chat.completions",
+                model=(plan.served_by or plan.model.name) if plan else str(state.extra.get("model_name", "")),
+                provider=plan.provider if plan else "", stream=bool(plan and plan.body.get("stream") is True),
+                status_code=status, error_code=error_code,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                cost_usd=plan.cost if plan else Decimal(0),
+                latency_ms=(time.perf_counter() - state.started) * 1000,
+                upstream_ms=plan.upstream_ms if plan else 0.0, stage_ms=dict(state.timings),
+                priced=usage is not None,
+            )
         )  # fmt: skip
-        if plan.body.get("stream") is True:
-            return await self._stream(state, plan, chat)
-        return await self._complete(state, plan, chat)
 
     async def _complete(self, state: GateState, plan: ChatPlan, chat: ChatRequest) -> web.StreamResponse:
         started = time.perf_counter()
@@ -246,13 +289,16 @@ class ChatHandler:
             answer = await self._s.providers.complete(chat)
         except ProviderError as e:
             self._s.metrics.provider_calls.labels(plan.model.provider, e.code).inc()
+            state.extra["error_code"] = e.code
             self._after(state, plan, None, plan.model.name)
             return _provider_error_response(e, state)
         except BaseException:
             self._after(state, plan, None, plan.model.name)
             raise
+        plan.provider = answer.provider
+        plan.upstream_ms = (time.perf_counter() - started) * 1000
         self._s.metrics.provider_calls.labels(answer.provider, "ok").inc()
-        self._s.metrics.provider_seconds.labels(answer.provider).observe(time.perf_counter() - started)
+        self._s.metrics.provider_seconds.labels(answer.provider).observe(plan.upstream_ms / 1000)
         self._after(state, plan, answer.usage, answer.model, content_digest(answer.body.get("choices")))
         return web.Response(body=orjson.dumps(answer.body), content_type="application/json",
                             headers=state.response_headers)  # fmt: skip
@@ -262,6 +308,7 @@ class ChatHandler:
         served_by = plan.model.name
         response: web.StreamResponse | None = None
         digest = hashlib.sha256()
+        started = time.perf_counter()
         try:
             async with self._s.providers.stream(chat) as events:
                 response = web.StreamResponse(
@@ -276,7 +323,7 @@ class ChatHandler:
                             digest.update(event.data)
                             await response.write(b"data: " + event.data + b"\n\n")
                         elif isinstance(event, StreamDone):
-                            usage, served_by = event.usage, event.model
+                            usage, served_by, plan.provider = event.usage, event.model, event.provider
                 except ProviderError as e:
                     self._s.metrics.provider_calls.labels(plan.model.provider, e.code).inc()
                     error = {"error": {"code": e.code, "message": e.message, "request_id": state.request_id}}
@@ -285,6 +332,7 @@ class ChatHandler:
                 await response.write_eof()
         except ProviderError as e:
             self._s.metrics.provider_calls.labels(plan.model.provider, e.code).inc()
+            state.extra["error_code"] = e.code
             self._after(state, plan, usage, served_by)
             if response is None:
                 return _provider_error_response(e, state)
@@ -295,6 +343,7 @@ class ChatHandler:
         except BaseException:
             self._after(state, plan, usage, served_by)
             raise
+        plan.upstream_ms = (time.perf_counter() - started) * 1000
         self._s.metrics.provider_calls.labels(plan.model.provider, "ok").inc()
         self._after(state, plan, usage, served_by, digest.hexdigest())
         assert response is not None
@@ -308,11 +357,14 @@ class ChatHandler:
         caller = state.require_caller()
         _, agent = state.require_agent()
         s = self._s
+        plan.usage, plan.served_by = usage, served_by
+        if usage is not None:
+            plan.cost = s.catalog.cost(served_by, usage.prompt_tokens, usage.completion_tokens)
         if plan.hold is not None:
             if usage is None:
                 s.background.spawn("release", s.budgets.release(plan.hold))
             else:
-                cost = s.catalog.cost(served_by, usage.prompt_tokens, usage.completion_tokens)
+                cost = plan.cost
                 s.background.spawn(
                     "settle",
                     s.budgets.settle(plan.hold, cost, model=served_by, prompt_tokens=usage.prompt_tokens,
@@ -341,7 +393,3 @@ class ChatHandler:
 def content_digest(value: Any) -> str:
     """SHA-256 of a JSON value; what session checkpoints keep instead of text."""
     return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
-
-
-def usd(value: Decimal) -> str:
-    return format(value, "f")

@@ -46,6 +46,7 @@ class GateState:
     agent: AgentPolicy | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
     server_request_id: str = ""  # unique per request: budget holds and the ledger key on it
+    timings: dict[str, float] = field(default_factory=dict)  # gate name -> milliseconds
     # Filled by route-specific gates:
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -113,7 +114,9 @@ class GatePipeline:
                     headers={"Retry-After": "1"},
                 ) from e
             finally:
-                self._timers[name].observe(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self._timers[name].observe(elapsed)
+                state.timings[name] = elapsed * 1000
             self._passed[name].inc()
 
 
@@ -137,7 +140,7 @@ def body_limit(max_bytes: int) -> Gate:
 
 
 async def json_content_type(state: GateState) -> None:
-    if state.request.method in ("GET", "HEAD", "DELETE") and not state.raw_body:
+    if not state.raw_body:  # nothing to interpret (GET, DELETE, a bodiless POST such as terminate)
         return
     ctype = state.request.content_type
     if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):

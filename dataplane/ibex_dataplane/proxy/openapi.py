@@ -105,6 +105,21 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/models": {"get": _op("Models the key's organization may use", agent=False)},
             "/v1/me": {"get": _op("Who the key is", agent=False)},
+            "/v1/usage": {
+                "get": {
+                    **_op("The organization's spend and tokens by agent, model or day", agent=False),
+                    "parameters": [
+                        {
+                            "name": "group_by",
+                            "in": "query",
+                            "schema": {"type": "string", "enum": ["agent", "model", "day"]},
+                        },
+                        {"name": "from", "in": "query", "schema": {"type": "string", "format": "date"}},
+                        {"name": "to", "in": "query", "schema": {"type": "string", "format": "date"}},
+                        *_HEADERS[1:],
+                    ],
+                }
+            },
             "/v1/orgs/{org_id}/auth-probe": {
                 "get": {
                     **_op("Diagnostic: the path org must be the key's org", agent=False),

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, date, datetime, timedelta
 
 from aiohttp import web
 
 from ibex_dataplane.providers.catalog import ModelCatalog
+from ibex_dataplane.proxy.analytics import GROUPINGS, usage_report
 from ibex_dataplane.proxy.errors import ApiError
 from ibex_dataplane.proxy.gates import GatePipeline, GateState
 from ibex_dataplane.proxy.middleware import request_id_of
 from ibex_dataplane.proxy.policy import PolicyService
 from ibex_dataplane.proxy.sessions import SessionService
+from ibex_dataplane.store.clickhouse import ClickHouse
 
 
 class ProtectedRoutes:
@@ -23,12 +26,14 @@ class ProtectedRoutes:
         catalog: ModelCatalog,
         sessions: SessionService,
         policies: PolicyService,
+        clickhouse: ClickHouse,
     ) -> None:
         self._keyed = keyed  # body, content type, key (no agent needed)
         self._bound = bound  # ... plus agent binding and status
         self._catalog = catalog
         self._sessions = sessions
         self._policies = policies
+        self._clickhouse = clickhouse
 
     async def _run(self, pipeline: GatePipeline, request: web.Request, scope: str) -> GateState:
         state = GateState(request, request_id_of(request), scope)
@@ -84,3 +89,31 @@ class ProtectedRoutes:
         if len(session_id) > 128 or not await self._sessions.terminate(caller.org_id, agent.id, session_id):
             raise ApiError(404, "NOT_FOUND", "no such active session")
         return web.json_response({"id": session_id, "status": "closed"})
+
+    async def usage(self, request: web.Request) -> web.Response:
+        """The org's spend and tokens in [from, to) (default: this month) by agent, model or day."""
+        state = await self._run(self._keyed, request, "usage:read")
+        caller = state.require_caller()
+        group_by = request.query.get("group_by", "agent")
+        errors = []
+        if group_by not in GROUPINGS:
+            errors.append({"field": "group_by", "message": f"must be one of {', '.join(GROUPINGS)}"})
+        today = datetime.now(UTC).date()
+        start, end = today.replace(day=1), today + timedelta(days=1)
+        for name in ("from", "to"):
+            if name in request.query:
+                try:
+                    value = date.fromisoformat(request.query[name])
+                except ValueError:
+                    errors.append({"field": name, "message": "must be a date (YYYY-MM-DD)"})
+                    continue
+                start, end = (value, end) if name == "from" else (start, value)
+        if not errors and end <= start:
+            errors.append({"field": "to", "message": "must be after from"})
+        if errors:
+            raise ApiError(400, "VALIDATION_ERROR", "invalid usage query", field_errors=errors)
+        data = await usage_report(self._clickhouse, caller.org_id, group_by, start, end)
+        return web.json_response(
+            {"object": "usage", "org_id": str(caller.org_id), "group_by": group_by, "from": start.isoformat(),
+             "to": end.isoformat(), "data": data}
+        )  # fmt: skip

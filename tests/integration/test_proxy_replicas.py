@@ -1,0 +1,105 @@
+"""Two proxy processes sharing the stores: limits hold in total, and revocation reaches both within a second."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
+import pytest_asyncio
+from aiohttp import ClientSession
+
+from ibex_dataplane.runtime.embedded import EmbeddedRuntime
+from ibex_dataplane.runtime.stores import Stores
+from ibex_operator.models import ApiKeySpec
+from ibex_operator.reconcile import Reconciler
+from tests.support.tenants import NAMESPACE, TenantFactory
+
+
+@contextmanager
+def proxy_process(embedded: EmbeddedRuntime, pepper: bytes) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    env = {**os.environ, "IBEX_KEY_PEPPER": pepper.decode(), "IBEX_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ibex_dataplane.cli", "proxy", "--data-dir", str(embedded.data_dir), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 60
+        url = ""
+        while time.monotonic() < deadline and not url:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"ready: (http://\S+)", line)
+            url = m.group(1) if m else ""
+        assert url, "proxy process did not start:\n" + "".join(lines)
+        yield proc, url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def replicas(embedded: EmbeddedRuntime, stores: Stores, pepper: bytes) -> AsyncIterator[list[str]]:
+    with proxy_process(embedded, pepper) as (a, url_a), proxy_process(embedded, pepper) as (b, url_b):
+        yield [url_a, url_b]
+        assert a.poll() is None and b.poll() is None, "a replica died during the test"
+
+
+async def post_chat(http: ClientSession, url: str, token: str, agent: str) -> int:
+    body = {"model": "echo", "messages": [{"role": "user", "content": "count me"}]}
+    headers = {"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": agent}
+    async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        await r.read()
+        return r.status
+
+
+async def test_two_processes_never_admit_more_than_the_rpm_limit_in_total(
+    replicas: list[str], tenants: TenantFactory
+) -> None:
+    t = await tenants.create(agents=("busy",), agent_spec={"limits": {"requestsPerMinute": 25}})
+    token, agent = t.keys["busy"], str(t.agents["busy"])
+    async with ClientSession() as http:
+        statuses = await asyncio.gather(
+            *(post_chat(http, replicas[i % 2], token, agent) for i in range(80))
+        )  # fmt: skip
+    assert Counter(statuses) == {200: 25, 429: 55}
+
+
+async def test_revocation_reaches_another_process_within_a_second(
+    replicas: list[str], tenants: TenantFactory, reconciler: Reconciler
+) -> None:
+    t = await tenants.create(agents=("solo",))
+    token, agent = t.keys["solo"], str(t.agents["solo"])
+    suffix = t.name.removeprefix("org-")
+    async with ClientSession() as http:
+        assert [await post_chat(http, url, token, agent) for url in replicas] == [200, 200]
+        spec = ApiKeySpec.model_validate(
+            {"organizationRef": {"name": t.name}, "agentRefs": [{"name": f"solo-{suffix}"}], "scopes": ["chat"],
+             "secretName": f"solo-key-{suffix}", "revoked": True}
+        )  # fmt: skip
+        await reconciler.api_key(NAMESPACE, f"solo-key-{suffix}", spec, generation=2)
+        revoked = time.monotonic()
+        pending = set(replicas)
+        while pending:
+            for url in list(pending):
+                if await post_chat(http, url, token, agent) == 401:
+                    pending.discard(url)
+            assert time.monotonic() - revoked < 1.0, f"still accepted by {pending} after 1 s"
+            await asyncio.sleep(0.02)
