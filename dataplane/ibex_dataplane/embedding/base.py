@@ -1,0 +1,49 @@
+"""The embedder seam: what the memory and context stages need from a sentence-embedding model.
+
+Owns the ``Embedder`` protocol and the ``Embeddings`` array type. The memory write path (embed stage),
+context assembly (query embedding) and tests depend on this protocol only; the composition root picks the
+implementation (today ``ibex_dataplane.embedding.onnx.OnnxMiniLMEmbedder``).
+
+Vectors are returned as one numpy ``float32`` array of shape ``(len(texts), dimensions)``, row ``i``
+belonging to ``texts[i]``, C-contiguous and L2-normalised, so cosine similarity is a dot product. An array
+rather than ``list[list[float]]`` because it is what pgvector's codecs and the similarity maths consume,
+without a per-float Python object; call ``.tolist()`` where plain lists are needed. An empty input gives an
+array of shape ``(0, dimensions)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+#: Rows of L2-normalised float32 vectors, one per input text.
+Embeddings: TypeAlias = npt.NDArray[np.float32]
+
+
+class Embedder(Protocol):
+    """Turns texts into unit-length vectors of a fixed width.
+
+    Implementations raise ``EmbeddingError`` for every failure of the model itself and ``TypeError`` when
+    called with something that is not a sequence of strings (a bare ``str`` included).
+    """
+
+    @property
+    def dimensions(self) -> int:
+        """Width of every vector (384 for all-MiniLM-L6-v2)."""
+        ...
+
+    @property
+    def model_name(self) -> str:
+        """Identifier stored next to vectors, so vectors of different models are never compared."""
+        ...
+
+    async def embed(self, texts: Sequence[str]) -> Embeddings:
+        """Embed ``texts`` without blocking the event loop."""
+        ...
+
+    def embed_sync(self, texts: Sequence[str]) -> Embeddings:
+        """Embed ``texts``, blocking the calling thread; never call it from the event loop."""
+        ...
