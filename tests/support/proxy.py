@@ -1,7 +1,12 @@
-"""Run the proxy application in-process on a free port, as a test 'replica' of the data plane."""
+"""Run the proxy application in-process on a free port, as a test 'replica' of the data plane.
+
+With ``memory=`` the memory stage runs too, in-process on its own free port, and the proxy reaches it over HTTP
+with principals signed by a per-run random secret, exactly as ``ibex dev`` wires them.
+"""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -9,15 +14,39 @@ from typing import Any
 
 from aiohttp import web
 
+from ibex_dataplane.embedding import Embedder
+from ibex_dataplane.memory.app import create_memory_app
+from ibex_dataplane.memory.refinery import Redactor
 from ibex_dataplane.proxy.app import create_app
 from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
+
+
+@dataclass(frozen=True)
+class MemoryDeps:
+    """What the memory stage needs beyond settings and stores (built once per test session: both are slow)."""
+
+    embedder: Embedder
+    redactor: Redactor
+
+
+@dataclass(frozen=True)
+class RunningStage:
+    base_url: str
+    app: web.Application
+    secret: bytes
+
+    @property
+    def signer(self) -> PrincipalSigner:
+        return PrincipalSigner(self.secret)
 
 
 @dataclass(frozen=True)
 class RunningProxy:
     base_url: str
     app: web.Application
+    memory: RunningStage | None = None
 
     @property
     def v1(self) -> str:
@@ -25,16 +54,45 @@ class RunningProxy:
 
 
 @asynccontextmanager
-async def running_proxy(
-    settings: Settings, stores: Stores, pepper: bytes, provider_config: dict[str, Any] | None = None
-) -> AsyncIterator[RunningProxy]:
-    app = create_app(settings, stores, pepper=pepper, provider_config=provider_config)
+async def _serve(app: web.Application) -> AsyncIterator[str]:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
     try:
-        yield RunningProxy(f"http://127.0.0.1:{port}", app)
+        yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def running_memory_stage(
+    settings: Settings, stores: Stores, deps: MemoryDeps, *, secret: bytes | None = None, **options: Any
+) -> AsyncIterator[RunningStage]:
+    secret = secret or secrets.token_bytes(32)
+    app = create_memory_app(settings, stores, embedder=deps.embedder, redactor=deps.redactor, secret=secret, **options)
+    async with _serve(app) as url:
+        yield RunningStage(url, app, secret)
+
+
+@asynccontextmanager
+async def running_proxy(
+    settings: Settings,
+    stores: Stores,
+    pepper: bytes,
+    provider_config: dict[str, Any] | None = None,
+    memory: MemoryDeps | None = None,
+) -> AsyncIterator[RunningProxy]:
+    if memory is None:
+        app = create_app(settings, stores, pepper=pepper, provider_config=provider_config)
+        async with _serve(app) as url:
+            yield RunningProxy(url, app)
+        return
+    async with running_memory_stage(settings, stores, memory) as stage:
+        app = create_app(
+            settings, stores, pepper=pepper, provider_config=provider_config, memory_url=stage.base_url,
+            principal_signer=stage.signer,
+        )  # fmt: skip
+        async with _serve(app) as url:
+            yield RunningProxy(url, app, stage)

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from ibex_dataplane.providers.catalog import ModelCatalog
+from ibex_dataplane.providers.catalog import CatalogConfigError, ModelCatalog
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
 from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
@@ -42,6 +44,7 @@ from ibex_dataplane.proxy.gates import (
     tenant_status,
 )
 from ibex_dataplane.proxy.health import HealthChecks
+from ibex_dataplane.proxy.memory_routes import add_memory_routes
 from ibex_dataplane.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from ibex_dataplane.proxy.middleware import envelope_middleware
 from ibex_dataplane.proxy.openapi import openapi_document
@@ -51,6 +54,7 @@ from ibex_dataplane.proxy.repository import ProxyRepository
 from ibex_dataplane.proxy.routes import ProtectedRoutes
 from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.keys import GlobalKeys
 from ibex_dataplane.store.redis import ping as redis_ping
@@ -89,14 +93,21 @@ def create_app(
     pepper: bytes,
     catalog: ModelCatalog | None = None,
     provider_config: dict[str, Any] | None = None,
+    memory_url: str | None = None,
+    principal_signer: PrincipalSigner | None = None,
 ) -> web.Application:
+    """The proxy. Memory routes reach the stage at ``memory_url`` with principals from ``principal_signer``;
+    both default to ``IBEX_MEMORY_URL`` and ``IBEX_INTERNAL_SECRET`` (without a secret they answer 503)."""
     app = web.Application(middlewares=[envelope_middleware], client_max_size=settings.max_body_bytes)
     metrics = ProxyMetrics()
     app[SETTINGS] = settings
     app[STORES] = stores
     app[METRICS] = metrics
 
-    catalog = catalog or ModelCatalog.builtin(
+    if provider_config is None and settings.providers_file is not None:
+        provider_config = load_provider_config(settings.providers_file)
+    catalog = catalog or ModelCatalog.from_config(
+        provider_config or {},
         echo_input_price_per_mtok=settings.echo_input_price_per_mtok,
         echo_output_price_per_mtok=settings.echo_output_price_per_mtok,
     )
@@ -184,6 +195,15 @@ def create_app(
     async def openapi_handler(request: web.Request) -> web.Response:
         return web.json_response(openapi_document())
 
+    if principal_signer is None and settings.internal_secret is not None:
+        principal_signer = PrincipalSigner(settings.internal_secret.get_secret_value().encode())
+    add_memory_routes(
+        app,
+        bound=GatePipeline(bound, metrics),
+        memory_url=memory_url or settings.memory_url,
+        signer=principal_signer,
+        timeout=settings.memory_timeout_seconds,
+    )
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/me", routes.me)
@@ -195,6 +215,17 @@ def create_app(
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi_handler)
     return app
+
+
+def load_provider_config(path: Path) -> dict[str, Any]:
+    """The providers file: ``{"models": [...], "providers": {...}, "fallbacks": {...}}`` (validated by the registry)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CatalogConfigError(f"cannot read providers file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise CatalogConfigError(f"providers file {path} must hold a JSON object")
+    return data
 
 
 async def _sweep(budgets: BudgetService, sessions: SessionService, every: float = 30.0) -> None:

@@ -31,34 +31,19 @@ class SessionService:
         completion_tokens: int,
         latency_ms: float,
     ) -> int:
-        """Append a checkpoint (reopening a closed session of the same id); returns the turn number."""
-        async with self._db.tenant(org_id, agent_id) as conn:
-            row = await conn.fetchrow(
-                """
-                INSERT INTO sessions (org_id, agent_id, external_id, turn_count)
-                VALUES ($1, $2, $3, 1)
-                ON CONFLICT (org_id, agent_id, external_id) DO UPDATE SET
-                    turn_count = sessions.turn_count + 1, last_activity_at = now(),
-                    status = 'active', closed_at = NULL, close_reason = NULL
-                RETURNING id, turn_count
-                """,
-                org_id,
-                agent_id,
-                external_id,
-            )
-            assert row is not None
-            await conn.execute(
-                """
-                INSERT INTO session_checkpoints (session_id, turn, org_id, agent_id, request_id, messages_sha256,
-                    completion_sha256, prompt_tokens, completion_tokens, latency_ms)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-                ON CONFLICT DO NOTHING
-                """,
-                row["id"], row["turn_count"], org_id, agent_id, request_id, list(message_digests),
-                completion_digest, prompt_tokens, completion_tokens, latency_ms,
-            )  # fmt: skip
-            turn: int = row["turn_count"]
-            return turn
+        """Append a checkpoint (reopening a closed session of the same id); returns the turn number.
+
+        One round trip (``ibex_session_turn_as``): it runs after every answer.
+        """
+        row = await self._db.call_as(
+            org_id, agent_id,
+            "SELECT ibex_session_turn_as($1, $2, $3, $4, $5, $6, $7, $8, $9) AS turn",
+            external_id, request_id, list(message_digests), completion_digest, prompt_tokens, completion_tokens,
+            latency_ms,
+        )  # fmt: skip
+        assert row is not None
+        turn: int = row["turn"]
+        return turn
 
     async def terminate(self, org_id: UUID, agent_id: UUID, external_id: str) -> bool:
         """Close the session; False when the agent has no such session (or it is already closed)."""

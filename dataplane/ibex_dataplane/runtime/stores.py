@@ -74,10 +74,15 @@ class Stores:
     admin_pool: asyncpg.Pool | None
     redis: aioredis.Redis
     clickhouse: ClickHouse
+    owns_clickhouse: bool = True
 
     @classmethod
-    async def open(cls, urls: StoreUrls, settings: Settings, *, admin: bool = False) -> Stores:
-        clickhouse = ClickHouse(urls.clickhouse_url)
+    async def open(
+        cls, urls: StoreUrls, settings: Settings, *, admin: bool = False, clickhouse: ClickHouse | None = None
+    ) -> Stores:
+        """Open every client; pass ``clickhouse`` to share an already open engine (chdb: one per data path)."""
+        owns = clickhouse is None
+        clickhouse = clickhouse or ClickHouse(urls.clickhouse_url)
         redis = create_redis(urls.redis_url)
         admin_pool: asyncpg.Pool | None = None
         try:
@@ -93,9 +98,10 @@ class Stores:
                 )
         except BaseException:
             await redis.aclose()
-            await clickhouse.close()
+            if owns:
+                await clickhouse.close()
             raise
-        return cls(Database(pool), admin_pool, redis, clickhouse)
+        return cls(Database(pool), admin_pool, redis, clickhouse, owns)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -105,7 +111,8 @@ class Stores:
                 await self.admin_pool.close()
         with contextlib.suppress(Exception):
             await self.redis.aclose()
-        await self.clickhouse.close()
+        if self.owns_clickhouse:
+            await self.clickhouse.close()
 
 
 def load_or_create_secret(path: Path, nbytes: int = 32) -> bytes:

@@ -1,16 +1,20 @@
 """ClickHouse access through clickhouse-connect (``chdb://`` locally, HTTP in production).
 
-The client is synchronous, so every call runs on one dedicated worker thread (which also serialises access to the
-in-process chdb engine). ClickHouse has no row-level security: every read goes through :func:`org_query`, which
-refuses SQL that does not filter on the ``{org_id:UUID}`` parameter.
+The client is synchronous, so calls never run on the event loop. Over HTTP they run on one worker thread (the
+socket I/O releases the GIL). The embedded chdb engine, however, holds the GIL for milliseconds at a time, which
+would stall every request of the process, so for ``chdb://`` URLs the engine lives in a dedicated child process
+and calls are shipped to it (rows and results are plain picklable values). ClickHouse has no row-level security:
+every read goes through :func:`org_query`, which refuses SQL that does not filter on ``{org_id:UUID}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import multiprocessing
 import re
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from uuid import UUID
@@ -38,56 +42,75 @@ def org_query(sql: str, org_id: UUID, **parameters: Any) -> OrgQuery:
     return OrgQuery(sql=sql, parameters={**parameters, "org_id": org_id})
 
 
+# -- the calls, as top-level functions so they can run in a child process ------------------------------------------
+
+_clients: dict[str, Any] = {}  # url -> client, per process (the parent's worker thread, or the chdb child)
+
+
+def _client(url: str) -> Any:
+    client = _clients.get(url)
+    if client is None:
+        import clickhouse_connect
+
+        client = _clients[url] = clickhouse_connect.get_client(dsn=url)
+    return client
+
+
+def _command(url: str, sql: str) -> None:
+    _client(url).command(sql)
+
+
+def _insert(url: str, table: str, rows: list[list[Any]], column_names: list[str]) -> None:
+    _client(url).insert(table, rows, column_names=column_names)
+
+
+def _query(url: str, sql: str, parameters: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [tuple(r) for r in _client(url).query(sql, parameters=parameters).result_rows]
+
+
+def _close(url: str) -> None:
+    client = _clients.pop(url, None)
+    if client is not None:
+        client.close()
+
+
 class ClickHouse:
-    """Async facade over a clickhouse-connect client."""
+    """Async facade over a clickhouse-connect client (see the module docstring for where calls run)."""
 
     def __init__(self, url: str) -> None:
         self._url = url
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clickhouse")
-        self._client: Any = None
+        self._executor: Executor
+        if url.startswith("chdb:"):
+            self._executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        else:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clickhouse")
 
-    def _connect(self) -> Any:
-        if self._client is None:
-            import clickhouse_connect
-
-            self._client = clickhouse_connect.get_client(dsn=self._url)
-        return self._client
-
-    async def _call(self, fn: Callable[[Any], T]) -> T:
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
-
-        def run() -> T:
-            return fn(self._connect())
-
         try:
-            return await loop.run_in_executor(self._executor, run)
+            return await loop.run_in_executor(self._executor, fn, self._url, *args)
         except Exception as e:
-            if isinstance(e, TenantKeyError):
-                raise
             raise StoreUnavailable("clickhouse", f"{type(e).__name__}: {str(e)[:200]}") from e
 
     async def command(self, sql: str) -> None:
-        await self._call(lambda c: c.command(sql))
+        await self._call(_command, sql)
 
     async def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
-        await self._call(lambda c: c.insert(table, list(rows), column_names=list(column_names)))
+        await self._call(_insert, table, [list(r) for r in rows], list(column_names))
 
     async def query(self, q: OrgQuery) -> list[tuple[Any, ...]]:
         if not isinstance(q, OrgQuery):
             raise TenantKeyError("ClickHouse reads must be built with org_query()")
-        result = await self._call(lambda c: c.query(q.sql, parameters=q.parameters))
-        return [tuple(r) for r in result.result_rows]
+        return await self._call(_query, q.sql, q.parameters)
 
     async def admin_query(self, sql: str, **parameters: Any) -> list[tuple[Any, ...]]:
         """Cross-tenant read for migrations and the operator only."""
-        result = await self._call(lambda c: c.query(sql, parameters=parameters))
-        return [tuple(r) for r in result.result_rows]
+        return await self._call(_query, sql, parameters)
 
     async def ping(self) -> None:
-        await self._call(lambda c: c.command("SELECT 1"))
+        await self._call(_command, "SELECT 1")
 
     async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await asyncio.get_running_loop().run_in_executor(self._executor, client.close)
+        with contextlib.suppress(Exception):
+            await asyncio.get_running_loop().run_in_executor(self._executor, _close, self._url)
         self._executor.shutdown(wait=True)

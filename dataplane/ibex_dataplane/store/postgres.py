@@ -32,6 +32,18 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 _SET_SCOPE = "SELECT set_config('app.org_id', $1, true), set_config('app.agent_id', $2, true)"
 
 
+class _TenantConnection(asyncpg.Connection):  # type: ignore[misc]
+    """Pooled connection without asyncpg's reset query on release (saves a round trip per use).
+
+    Safe because tenant scope is only ever set with ``set_config(..., true)``, which dies with the transaction,
+    and the data plane takes no session-level state (advisory locks, LISTEN, cursors, SET) on pooled connections.
+    A connection released inside a transaction is still rolled back by asyncpg.
+    """
+
+    def get_reset_query(self) -> str:
+        return ""
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await register_vector(conn)
 
@@ -46,6 +58,7 @@ async def create_pool(
             min_size=min_size,
             max_size=max_size,
             init=_init_connection,
+            connection_class=_TenantConnection,
             timeout=timeout,
             command_timeout=30,
             server_settings={"application_name": application_name},
@@ -98,6 +111,25 @@ class Database:
                     raise StoreUnavailable("postgres", type(e).__name__) from e
         finally:
             await conn_cm.__aexit__(None, None, None)
+
+    async def call_as(self, org_id: UUID, agent_id: UUID | None, sql: str, *args: object) -> asyncpg.Record | None:
+        """One round trip: a single statement calling a ``*_as(p_org, p_agent, ...)`` database function.
+
+        Those functions (migrations, ``*_as``) begin by setting ``app.org_id``/``app.agent_id`` from their first
+        two arguments, exactly as :meth:`tenant` does, and run as the caller, so row-level security applies to
+        everything they touch; the statement is its own transaction. For the hot path, where the three round
+        trips of an explicit transaction (BEGIN + scope, statement, COMMIT) are too many.
+        """
+        if not isinstance(org_id, UUID) or (agent_id is not None and not isinstance(agent_id, UUID)):
+            raise TypeError("call_as needs UUIDs")
+        if "$1" not in sql or "$2" not in sql:
+            raise ValueError("call_as statements pass the org as $1 and the agent as $2")
+        try:
+            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+                row: asyncpg.Record | None = await conn.fetchrow(sql, org_id, agent_id, *args)
+                return row
+        except CONNECTION_ERRORS as e:
+            raise StoreUnavailable("postgres", type(e).__name__) from e
 
     @asynccontextmanager
     async def unscoped(self) -> AsyncIterator[asyncpg.Connection]:

@@ -1,0 +1,112 @@
+"""The proxy in front of a local OpenAI-compatible upstream: pass-through, streaming, errors, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+import pytest_asyncio
+from aiohttp import ClientSession
+from openai import AsyncOpenAI
+
+from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.settings import Settings
+from tests.support.proxy import RunningProxy, running_proxy
+from tests.support.tenants import Tenant, TenantFactory
+from tests.support.upstream import API_KEY, PIECES, Script, Upstream, running_upstream
+
+
+@pytest_asyncio.fixture(scope="module")
+async def upstream() -> AsyncIterator[Upstream]:
+    async with running_upstream() as state:
+        yield state
+
+
+@pytest_asyncio.fixture(scope="module")
+async def gateway(settings: Settings, stores: Stores, pepper: bytes, upstream: Upstream) -> AsyncIterator[RunningProxy]:
+    config = {
+        "models": [
+            {"name": "up-model", "provider": "local", "context_window": 8192, "max_output_tokens": 1024,
+             "input_price_per_mtok": "1", "output_price_per_mtok": "2"}
+        ],
+        "providers": {
+            "local": {"type": "openai_compat", "base_url": upstream.url, "api_key": API_KEY, "max_attempts": 2,
+                      "backoff_base": 0.01, "breaker_failure_threshold": 1000}
+        },
+    }  # fmt: skip
+    async with running_proxy(settings, stores, pepper, provider_config=config) as proxy:
+        yield proxy
+
+
+@pytest_asyncio.fixture
+async def tenant(tenants: TenantFactory, upstream: Upstream) -> Tenant:
+    upstream.reset()
+    return await tenants.create(directive="Stay on topic.")
+
+
+def sdk(gateway: RunningProxy, t: Tenant) -> AsyncOpenAI:
+    return AsyncOpenAI(
+        base_url=gateway.v1, api_key=t.keys["alpha"], max_retries=0,
+        default_headers={"X-IBEX-Agent-ID": str(t.agents["alpha"])},
+    )  # fmt: skip
+
+
+async def test_json_chat_passes_unknown_fields_and_injects_the_directive(
+    gateway: RunningProxy, upstream: Upstream, tenant: Tenant
+) -> None:
+    async with sdk(gateway, tenant) as ai:
+        reply = await ai.chat.completions.create(
+            model="up-model", messages=[{"role": "user", "content": "hi"}], extra_body={"vendor_knob": 3}
+        )
+    assert reply.choices[0].message.content == "".join(PIECES)
+    sent = upstream.bodies[-1]
+    assert sent["vendor_knob"] == 3
+    assert sent["messages"][0] == {"role": "system", "content": "Stay on topic. (alpha)"}
+    assert upstream.headers[-1]["Authorization"] == f"Bearer {API_KEY}"  # our key never reaches the upstream
+    assert tenant.keys["alpha"] not in str(upstream.headers[-1])
+
+
+async def test_streaming_passes_chunks_through(gateway: RunningProxy, tenant: Tenant) -> None:
+    async with sdk(gateway, tenant) as ai:
+        stream = await ai.chat.completions.create(
+            model="up-model", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        pieces, usage = [], None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+            usage = chunk.usage or usage
+    assert "".join(pieces) == "".join(PIECES)
+    assert usage is not None and usage.total_tokens == 15
+
+
+async def test_upstream_errors_map_to_the_envelope(gateway: RunningProxy, upstream: Upstream, tenant: Tenant) -> None:
+    upstream.reset(Script(fail_first=10, fail_status=400, fail_body={"error": {"message": "bad param", "type": "x"}}))
+    async with sdk(gateway, tenant) as ai:
+        with pytest.raises(openai.BadRequestError) as bad:
+            await ai.chat.completions.create(model="up-model", messages=[{"role": "user", "content": "hi"}])
+    assert bad.value.body["code"] == "VALIDATION_ERROR"  # type: ignore[index]
+    assert "bad param" in bad.value.body["message"]  # type: ignore[index]
+    upstream.reset(Script(fail_first=10, fail_status=503))
+    async with sdk(gateway, tenant) as ai:
+        with pytest.raises(openai.APIStatusError) as unavailable:
+            await ai.chat.completions.create(model="up-model", messages=[{"role": "user", "content": "hi"}])
+    assert unavailable.value.status_code == 503
+    assert unavailable.value.body["code"] == "PROVIDER_UNAVAILABLE"  # type: ignore[index]
+
+
+async def test_a_client_disconnect_mid_stream_cancels_the_upstream_call(
+    gateway: RunningProxy, upstream: Upstream, tenant: Tenant
+) -> None:
+    upstream.reset(Script(endless=True))
+    headers = {"Authorization": f"Bearer {tenant.keys['alpha']}", "X-IBEX-Agent-ID": str(tenant.agents["alpha"])}
+    body = {"model": "up-model", "messages": [{"role": "user", "content": "go on forever"}], "stream": True}
+    async with ClientSession() as http:
+        response = await http.post(gateway.v1 + "/chat/completions", json=body, headers=headers)
+        assert response.status == 200
+        await response.content.readline()  # the stream is flowing
+        response.close()  # the client goes away
+    await asyncio.wait_for(upstream.disconnected.wait(), timeout=5)

@@ -1,0 +1,169 @@
+"""A local upstream speaking the OpenAI Chat Completions wire format (JSON and SSE), for tests and benchmarks.
+
+An aiohttp server on 127.0.0.1 (free port) that answers like OpenAI does, and can be scripted to fail with a
+status N times, hang, go silent mid-stream, drop the connection mid-stream, or omit usage. It records what it
+received and whether the client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+API_KEY = "sk-upstream-test-key"
+PIECES = ["Hel", "lo", ", wor", "ld!"]
+UPSTREAM_USAGE = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
+
+
+@dataclass
+class Script:
+    """What the fake upstream does with the next requests."""
+
+    fail_first: int = 0
+    fail_status: int = 500
+    fail_body: dict[str, Any] | None = None
+    retry_after: str | None = None
+    hang: bool = False
+    silent_after_chunks: int | None = None
+    drop_after_chunks: int | None = None
+    endless: bool = False
+    omit_usage: bool = False
+
+
+@dataclass
+class Upstream:
+    url: str
+    script: Script = field(default_factory=Script)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[Mapping[str, str]] = field(default_factory=list)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def reset(self, script: Script | None = None) -> None:
+        self.script = script or Script()
+        self.bodies.clear()
+        self.headers.clear()
+        self.disconnected = asyncio.Event()
+
+
+UPSTREAM = web.AppKey("upstream", Upstream)
+
+
+def chunk(body: Mapping[str, Any], **fields: Any) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-up",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": body["model"],
+        "system_fingerprint": "fp_test",
+        **fields,
+    }
+
+
+def choice(delta: dict[str, Any], finish_reason: str | None = None) -> list[dict[str, Any]]:
+    return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    upstream = request.app[UPSTREAM]
+    script = upstream.script
+    body = await request.json()
+    upstream.bodies.append(body)
+    upstream.headers.append(dict(request.headers))
+    if request.headers.get("Authorization") != f"Bearer {API_KEY}":
+        return web.json_response({"error": {"message": "bad key", "type": "auth"}}, status=401)
+    if len(upstream.bodies) <= script.fail_first:
+        headers = {"Retry-After": script.retry_after} if script.retry_after is not None else None
+        error = script.fail_body or {"error": {"message": f"failure {script.fail_status}", "type": "server_error"}}
+        return web.json_response(error, status=script.fail_status, headers=headers)
+    if script.hang:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            upstream.disconnected.set()
+    if not body.get("stream"):
+        answer: dict[str, Any] = {
+            "id": "chatcmpl-up",
+            "object": "chat.completion",
+            "created": 1700000000,
+            "model": body["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(PIECES)},
+                    "finish_reason": "stop",
+                }
+            ],
+            "upstream_extra": {"kept": True},
+        }
+        if not script.omit_usage:
+            answer["usage"] = UPSTREAM_USAGE
+        return web.json_response(answer)
+
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage")) and not script.omit_usage
+    extra = {"usage": None} if include_usage else {}
+    events = [chunk(body, choices=choice({"role": "assistant", "content": ""}), **extra)]
+    events += [chunk(body, choices=choice({"content": piece}), **extra) for piece in PIECES]
+    events.append(chunk(body, choices=choice({}, "stop"), **extra))
+    if include_usage:
+        events.append(chunk(body, choices=[], usage=UPSTREAM_USAGE))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    try:
+        for index, event in enumerate(events):
+            if script.drop_after_chunks is not None and index == script.drop_after_chunks:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            if script.silent_after_chunks is not None and index == script.silent_after_chunks:
+                await asyncio.sleep(3600)
+            # split each event in two writes so the client must reassemble SSE lines
+            raw = b"data: " + orjson.dumps(event) + b"\n\n"
+            await response.write(raw[:7])
+            await response.write(raw[7:])
+        while script.endless:
+            await response.write(b"data: " + orjson.dumps(chunk(body, choices=choice({"content": "."}))) + b"\n\n")
+            await asyncio.sleep(0.01)
+        await response.write(b"data: [DONE]\n\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        upstream.disconnected.set()
+        raise
+    finally:
+        if script.silent_after_chunks is not None or script.endless:
+            upstream.disconnected.set()
+    return response
+
+
+@asynccontextmanager
+async def running_upstream() -> AsyncIterator[Upstream]:
+    state = Upstream(url="")
+    app = web.Application()
+    app[UPSTREAM] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    state.url = f"http://{host}:{port}/v1"
+    try:
+        yield state
+    finally:
+        await runner.cleanup()
+
+
+async def _serve_forever() -> None:
+    async with running_upstream() as state:
+        print(f"upstream ready: {state.url}", flush=True)
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":  # `python -m tests.support.upstream`: a standalone instant upstream (benchmarks)
+    import uvloop
+
+    uvloop.run(_serve_forever())
