@@ -1,12 +1,13 @@
 """Budget hold + settle latency and throughput, one hot agent against many, on a throwaway embedded Postgres.
 
-Run from the repository root: ``python bench/budget_bench.py [--seconds 5] [--callers 16]``. It starts its own
+Run from the repository root: ``python bench/budget_bench.py [--seconds 5] [--callers 4,16,32]``. It starts its own
 embedded Postgres in a temporary directory, migrates it, creates the tenants with the admin role, and drives
 :class:`BudgetService` through the data plane's RLS-bound role exactly as the proxy does. Prints medians, p99s and
 holds per second; it asserts nothing and no CI job gates on it (STYLE.md, Tests).
 
 Scenarios:
-0. The bare tenant transaction (BEGIN, set app.org_id, SELECT 1, COMMIT): the floor every hold pays.
+0. The bare tenant transaction (BEGIN, set app.org_id, SELECT 1, COMMIT; plus asyncpg's reset query on release
+   unless the pool drops it): the floor every hold pays.
 1. One caller, one agent: the latency a single request adds (hold before the provider, settle after).
 2. N callers on one agent of an org with an org budget: both budget rows are hot.
 3. N callers over 50 agents of that org: the agent rows spread, the org row is still shared by every hold.
@@ -23,9 +24,10 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+from functools import partial
 from pathlib import Path
 from uuid import UUID, uuid4
 
@@ -50,20 +52,34 @@ class Tally:
     cycle: list[float] = field(default_factory=list)
     elapsed: float = 0.0
 
+    def merge(self, other: Tally) -> None:
+        self.hold += other.hold
+        self.settle += other.settle
+        self.cycle += other.cycle
+        self.elapsed += other.elapsed
+
 
 def percentile(samples: Sequence[float], fraction: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
+def ms_of(samples: Sequence[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
 def ms(samples: Sequence[float]) -> str:
     return f"{statistics.median(samples) * 1000:6.2f} / {percentile(samples, 0.99) * 1000:6.2f}"
+
+
+def throughput(t: Tally) -> float:
+    return len(t.hold) / t.elapsed
 
 
 def report(label: str, t: Tally) -> None:
     print(
         f"{label:<44} hold {ms(t.hold)} ms   settle {ms(t.settle)} ms   hold+settle {ms(t.cycle)} ms"
-        f"   {len(t.hold) / t.elapsed:7.0f} holds/s"
+        f"   {throughput(t):7.0f} holds/s"
     )
 
 
@@ -91,15 +107,30 @@ async def drive(budgets: BudgetService, targets: Sequence[tuple[UUID, UUID]], ca
     return tally
 
 
-async def bare_transactions(db: Database, org_id: UUID, agent_id: UUID, seconds: float) -> list[float]:
-    samples: list[float] = []
-    deadline = time.perf_counter() + seconds
+async def bare(db: Database, org_id: UUID, agent_id: UUID, seconds: float) -> Tally:
+    """Sequential empty tenant transactions; their latencies land in ``Tally.hold``."""
+    tally = Tally()
+    started = time.perf_counter()
+    deadline = started + seconds
     while time.perf_counter() < deadline:
-        started = time.perf_counter()
+        begun = time.perf_counter()
         async with db.tenant(org_id, agent_id) as conn:
             await conn.fetchval("SELECT 1")
-        samples.append(time.perf_counter() - started)
-    return samples
+        tally.hold.append(time.perf_counter() - begun)
+    tally.elapsed = time.perf_counter() - started
+    return tally
+
+
+async def interleaved(runs: Sequence[Callable[[float], Awaitable[Tally]]], seconds: float, rounds: int) -> list[Tally]:
+    """Run each measurement for ``seconds / rounds`` in turn, ``rounds`` times, and merge the slices.
+
+    On a shared machine, background load then falls on every scenario of a comparison alike.
+    """
+    merged = [Tally() for _ in runs]
+    for _ in range(rounds):
+        for total, run in zip(merged, runs, strict=True):
+            total.merge(await run(seconds / rounds))
+    return merged
 
 
 async def create_tenants(admin_dsn: str, orgs: int, agents_per_org: int) -> list[list[tuple[UUID, UUID]]]:
@@ -123,26 +154,42 @@ async def create_tenants(admin_dsn: str, orgs: int, agents_per_org: int) -> list
     return created
 
 
-async def bench(pg: EmbeddedPostgres, seconds: float, callers: int, pool_size: int) -> None:
+def latency_line(label: str, t: Tally) -> str:
+    return f"{label:<44} {ms(t.hold)} ms   {len(t.hold) / t.elapsed:7.0f} tx/s"
+
+
+async def bench(pg: EmbeddedPostgres, seconds: float, callers: Sequence[int], pool_size: int, rounds: int) -> None:
     await migrate_postgres(pg.dsn(ADMIN_ROLE), default_migrations_dir() / "postgres")
     [hot] = await create_tenants(pg.dsn(ADMIN_ROLE), 1, 1)
     [wide] = await create_tenants(pg.dsn(ADMIN_ROLE), 1, 50)
     spread = [agents[0] for agents in await create_tenants(pg.dsn(ADMIN_ROLE), 50, 1)]
     pool = await create_pool(pg.dsn(APP_ROLE), min_size=pool_size, max_size=pool_size, application_name="bench")
     try:
+        async with pool.acquire() as conn:
+            # asyncpg sends this on every release unless the pool overrides it: one more round trip per transaction.
+            reset = "yes" if conn.get_reset_query() else "no"
+        print(f"pool from store.postgres.create_pool: {pool_size} connections, reset query on release: {reset}")
         db = Database(pool)
         budgets = BudgetService(db)
         await drive(budgets, hot, 1, min(1.0, seconds))  # warm-up: prepared statements, plans, pages
-        base = await bare_transactions(db, *hot[0], seconds)
-        print(
-            f"{'0. bare tenant transaction (SELECT 1)':<44} "
-            f"{statistics.median(base) * 1000:6.2f} / {percentile(base, 0.99) * 1000:6.2f} ms"
-            f"   {len(base) / seconds:7.0f} tx/s"
-        )
-        report("1. one caller, one agent", await drive(budgets, hot, 1, seconds))
-        report(f"2. {callers} callers, one hot agent", await drive(budgets, hot, callers, seconds))
-        report(f"3. {callers} callers, 50 agents of one org", await drive(budgets, wide, callers, seconds))
-        report(f"4. {callers} callers, 50 agents in 50 orgs", await drive(budgets, spread, callers, seconds))
+
+        base, one = await interleaved([partial(bare, db, *hot[0]), partial(drive, budgets, hot, 1)], seconds, rounds)
+        print(latency_line("0. bare tenant transaction (SELECT 1)", base))
+        report("1. one caller, one agent", one)
+        added = ms_of(one.hold) - ms_of(base.hold)
+        print(f"   the hold statement adds {added:.2f} ms to the bare tenant transaction (medians)")
+
+        for n in callers:
+            hot_agent, one_org, many_orgs = await interleaved(
+                [partial(drive, budgets, targets, n) for targets in (hot, wide, spread)], seconds, rounds
+            )
+            report(f"2. {n} callers, one hot agent", hot_agent)
+            report(f"3. {n} callers, 50 agents of one org", one_org)
+            report(f"4. {n} callers, 50 agents in 50 orgs", many_orgs)
+            print(
+                f"   holds/s relative to 50 orgs: one hot agent {throughput(hot_agent) / throughput(many_orgs):.2f},"
+                f" 50 agents of one org {throughput(one_org) / throughput(many_orgs):.2f}"
+            )
         await budgets.drain()
     finally:
         await pool.close()
@@ -151,8 +198,11 @@ async def bench(pg: EmbeddedPostgres, seconds: float, callers: int, pool_size: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each scenario")
-    parser.add_argument("--callers", type=int, default=16, help="concurrent callers in scenarios 2-4")
+    parser.add_argument(
+        "--callers", default="4,16,32", help="comma-separated numbers of concurrent callers for scenarios 2-4"
+    )
     parser.add_argument("--pool", type=int, default=10, help="connections in the data-plane pool")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved slices per scenario (fairer on busy hosts)")
     parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     args = parser.parse_args()
 
@@ -170,14 +220,15 @@ def main() -> None:
                 loop = "uvloop"
         print(f"machine: {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.2f}")
         print(
-            f"embedded Postgres (synchronous_commit=off), pool {args.pool}, {loop}, {args.seconds:g} s per scenario;"
-            f" hold {HOLD} USD, settle {ACTUAL} USD; latencies are median / p99"
+            f"embedded Postgres (synchronous_commit=off), {loop}, {args.seconds:g} s per scenario;"
+            f" {args.rounds} interleaved rounds; hold {HOLD} USD, settle {ACTUAL} USD; latencies are median / p99"
         )
-        run = bench(pg, args.seconds, args.callers, args.pool)
+        run = bench(pg, args.seconds, [int(n) for n in args.callers.split(",")], args.pool, args.rounds)
         if loop == "uvloop":
             uvloop.run(run)
         else:
             asyncio.run(run)
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
     finally:
         pg.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -7,6 +7,10 @@ through the proxy (key, agent binding, policy, rate limit, validation, budget ho
 reports the added latency (p50/p95/p99 of proxy minus direct) and requests/s through the proxy.
 
 Run from the repository root:  .venv/bin/python -m bench.proxy_overhead [--requests N] [--concurrency C]
+
+With ``--litellm PATH/TO/litellm`` it also measures LiteLLM's proxy side by side (master key only, no database,
+one worker, the same upstream). LiteLLM is not a dependency of this project; install it in a scratch virtualenv:
+``python3 -m venv "$LITELLM_VENV" && "$LITELLM_VENV/bin/pip" install 'litellm[proxy]'`` (any scratch folder).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +68,11 @@ spec:
   secretName: bench-key
 """
 
-BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "How fast is this gateway?"}], "max_tokens": 16}
+BODY = {
+    "model": "bench-model",
+    "messages": [{"role": "user", "content": "How fast is this gateway?"}],
+    "max_tokens": 16,
+}
 
 
 def start(cmd: list[str], env: dict[str, str], pattern: str, timeout: float = 120) -> tuple[subprocess.Popen[str], str]:
@@ -119,26 +129,55 @@ def q(values: list[float], p: float) -> float:
     return statistics.quantiles(values, n=1000)[int(p * 10) - 1]
 
 
-async def measure(proxy: str, upstream: str, token: str, args: argparse.Namespace) -> dict[str, Any]:
-    direct_headers = {"Authorization": f"Bearer {API_KEY}"}
-    proxy_headers = {"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": "bench-agent"}
+async def measure(targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace) -> dict[str, Any]:
+    """Latency (interleaved rounds, sequential) and throughput (concurrent) of each target: name -> (url, headers)."""
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
+    latencies: dict[str, list[float]] = {name: [] for name in targets}
+    rps: dict[str, float] = {}
     async with aiohttp.ClientSession(connector=connector) as http:
-        direct_url, proxy_url = upstream + "/chat/completions", proxy + "/v1/chat/completions"
-        await timed(http, direct_url, direct_headers, 200)  # warm up both paths
-        await timed(http, proxy_url, proxy_headers, 500)
-        direct, via = [], []
-        for _ in range(args.rounds):  # interleave rounds so drift hits both sides alike
-            direct += await timed(http, direct_url, direct_headers, args.requests // args.rounds)
-            via += await timed(http, proxy_url, proxy_headers, args.requests // args.rounds)
-        rps_direct = await throughput(http, direct_url, direct_headers, args.throughput_requests, args.concurrency)
-        rps_proxy = await throughput(http, proxy_url, proxy_headers, args.throughput_requests, args.concurrency)
-    return {
-        "direct": {p: q(direct, p) for p in (50, 95, 99)},
-        "proxy": {p: q(via, p) for p in (50, 95, 99)},
-        "rps_direct": rps_direct,
-        "rps_proxy": rps_proxy,
-    }
+        for url, headers in targets.values():  # warm up every path
+            await timed(http, url, headers, 300)
+        for _ in range(args.rounds):  # interleave rounds so drift hits every side alike
+            for name, (url, headers) in targets.items():
+                latencies[name] += await timed(http, url, headers, args.requests // args.rounds)
+        for name, (url, headers) in targets.items():
+            rps[name] = await throughput(http, url, headers, args.throughput_requests, args.concurrency)
+    return {name: ({p: q(values, p) for p in (50, 95, 99)}, rps[name]) for name, values in latencies.items()}
+
+
+LITELLM_CONFIG = """\
+model_list:
+  - model_name: bench-model
+    litellm_params: {{model: openai/bench-model, api_base: "{upstream}", api_key: "{key}"}}
+general_settings: {{master_key: sk-litellm-bench}}
+"""
+
+
+def start_litellm(binary: str, upstream: str, root: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    (root / "litellm.yaml").write_text(LITELLM_CONFIG.format(upstream=upstream, key=API_KEY))
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--config", str(root / "litellm.yaml"), "--host", "127.0.0.1", "--port", str(port),
+         "--num_workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        env={**env, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health/liveliness", timeout=1):
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("LiteLLM did not start")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def main() -> None:
@@ -147,6 +186,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--throughput-requests", type=int, default=6000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--litellm", default=None, help="path of a `litellm` executable to measure side by side")
     args = parser.parse_args()
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "IBEX_LOG_LEVEL": "WARNING"}
@@ -170,21 +210,40 @@ def main() -> None:
              "--data-dir", str(root / "data"), "--port", "0", "--keys-out", str(root / "keys.json")],
             dev_env, r"ready.*(http://\S+) ",
         )  # fmt: skip
+        litellm_proc = None
         try:
             token = json.loads((root / "keys.json").read_text())["bench/bench-key"]
-            result = asyncio.run(measure(proxy_url, upstream_url, token, args))
+            targets = {
+                "direct": (upstream_url + "/chat/completions", {"Authorization": f"Bearer {API_KEY}"}),
+                "ibex": (proxy_url + "/v1/chat/completions",
+                         {"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": "bench-agent"}),
+            }  # fmt: skip
+            if args.litellm:
+                litellm_proc, litellm_url = start_litellm(args.litellm, upstream_url, root, env)
+                targets["litellm"] = (
+                    litellm_url + "/v1/chat/completions",
+                    {"Authorization": "Bearer sk-litellm-bench"},
+                )
+            result = asyncio.run(measure(targets, args))
         finally:
+            if litellm_proc is not None:
+                stop(litellm_proc)
             stop(dev_proc)
             stop(upstream_proc)
 
-    d, p = result["direct"], result["proxy"]
-    print(f"requests per side (latency): {args.requests}, throughput: {args.throughput_requests} at c={args.concurrency}")
-    print(f"{'':12}{'p50 ms':>10}{'p95 ms':>10}{'p99 ms':>10}")
-    print(f"{'direct':12}{d[50]:10.3f}{d[95]:10.3f}{d[99]:10.3f}")
-    print(f"{'via proxy':12}{p[50]:10.3f}{p[95]:10.3f}{p[99]:10.3f}")
-    print(f"{'added':12}{p[50] - d[50]:10.3f}{p[95] - d[95]:10.3f}{p[99] - d[99]:10.3f}")
-    print(f"throughput: direct {result['rps_direct']:.0f} req/s, via proxy {result['rps_proxy']:.0f} req/s "
-          f"(ratio {result['rps_proxy'] / result['rps_direct']:.2f})")  # fmt: skip
+    print(f"latency: {args.requests} sequential requests per target in {args.rounds} interleaved rounds; "
+          f"throughput: {args.throughput_requests} requests at concurrency {args.concurrency}")  # fmt: skip
+    direct, _ = result["direct"]
+    print(f"{'':10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}  {'added p50':>10}{'added p95':>10}{'added p99':>10}  req/s")
+    for name, (lat, rps) in result.items():
+        added = [lat[p] - direct[p] for p in (50, 95, 99)]
+        print(f"{name:10}{lat[50]:9.3f}{lat[95]:9.3f}{lat[99]:9.3f}  {added[0]:10.3f}{added[1]:10.3f}{added[2]:10.3f}"
+              f"  {rps:7.0f}")  # fmt: skip
+    if "litellm" in result:
+        ours = result["ibex"][0][50] - direct[50]
+        theirs = result["litellm"][0][50] - direct[50]
+        print(f"added p50, ibex / litellm: {ours / theirs:.2f}; throughput ratio ibex / litellm: "
+              f"{result['ibex'][1] / result['litellm'][1]:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

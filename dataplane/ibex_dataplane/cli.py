@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -23,10 +24,12 @@ from types import FrameType
 
 from aiohttp import web
 
+from ibex_dataplane.memory.app import create_memory_app
 from ibex_dataplane.proxy.app import create_app
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.errors import EmbeddedStoreError
 from ibex_dataplane.runtime.stores import Stores, StoreUrls, load_or_create_secret, migrate_all
+from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_dataplane.store.errors import StoreError
@@ -63,6 +66,8 @@ def _write_keys(path: Path, keys: dict[str, str]) -> None:
 
 
 async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: EmbeddedRuntime, started: float) -> int:
+    from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder
+    from ibex_dataplane.pii.redactor import PiiRedactor
     from ibex_operator.manifests import ManifestError, apply_manifests, load_manifests
     from ibex_operator.models import ApiKey
     from ibex_operator.reconcile import Reconciler
@@ -83,6 +88,9 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
         await clickhouse.close()
     stores = await Stores.open(urls, settings, admin=True)
     runner: web.AppRunner | None = None
+    memory_runner: web.AppRunner | None = None
+    embedder: OnnxMiniLMEmbedder | None = None
+    redactor: PiiRedactor | None = None
     try:
         assert stores.admin_pool is not None
         pepper = (
@@ -110,7 +118,25 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
         for ref, token in sorted(keys.items()):
             print(f"  {ref}: {token}")
 
-        app = create_app(settings, stores, pepper=pepper)
+        # The memory stage on a free local port; the proxy reaches it with principals signed by a per-run secret.
+        embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages)
+        redactor = await asyncio.to_thread(
+            PiiRedactor, threshold=settings.pii_threshold, enable_ner=settings.pii_enable_ner
+        )
+        secret = (
+            settings.internal_secret.get_secret_value().encode()
+            if settings.internal_secret
+            else secrets.token_bytes(32)
+        )
+        memory_app = create_memory_app(settings, stores, embedder=embedder, redactor=redactor, secret=secret)
+        memory_runner = web.AppRunner(memory_app, access_log=None, handle_signals=False)
+        await memory_runner.setup()
+        await web.TCPSite(memory_runner, settings.memory_host, 0).start()
+        memory_url = f"http://{settings.memory_host}:{memory_runner.addresses[0][1]}"
+
+        app = create_app(
+            settings, stores, pepper=pepper, memory_url=memory_url, principal_signer=PrincipalSigner(secret)
+        )
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
@@ -125,6 +151,12 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
     finally:
         if runner is not None:
             await runner.cleanup()
+        if memory_runner is not None:
+            await memory_runner.cleanup()
+        if redactor is not None:
+            redactor.close()
+        if embedder is not None:
+            embedder.close()
         await stores.close()
 
 
@@ -203,6 +235,57 @@ def cmd_proxy(args: argparse.Namespace, settings: Settings) -> int:
         return 1
 
 
+async def _issue_key(args: argparse.Namespace, settings: Settings) -> int:
+    from ibex_operator.models import ApiKeySpec
+    from ibex_operator.reconcile import Reconciler
+    from ibex_operator.repository import TenantConfigRepository
+    from ibex_operator.secrets import FileSecretSink
+
+    urls = StoreUrls.from_settings(settings)
+    pepper = (
+        settings.key_pepper.get_secret_value().encode()
+        if settings.key_pepper
+        else load_or_create_secret(settings.data_dir / "pepper")
+    )
+    name = args.name or f"{args.agent}-cli-{secrets.token_hex(3)}"
+    spec = ApiKeySpec.model_validate(
+        {
+            "organizationRef": {"name": args.org},
+            "agentRefs": [{"name": a} for a in args.agent.split(",")],
+            "scopes": args.scopes.split(","),
+            "secretName": name,
+        }
+    )
+    stores = await Stores.open(urls, settings, admin=True)
+    try:
+        assert stores.admin_pool is not None
+        sink = FileSecretSink(settings.data_dir / "secrets.json")
+        reconciler = Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), sink, pepper)
+        outcome = await reconciler.api_key(args.namespace, name, spec, generation=1)
+        if not outcome.ready:
+            print(f"ibex keys issue: {outcome.reason}: {outcome.message}", file=sys.stderr)
+            return 1
+        token = await sink.read(args.namespace, name)
+    finally:
+        await stores.close()
+    print(json.dumps({"name": f"{args.namespace}/{name}", "key_id": outcome.fields["keyId"], "token": token}))
+    return 0
+
+
+def cmd_keys_issue(args: argparse.Namespace, settings: Settings) -> int:
+    """Issue an API key locally (the plaintext is printed once; only its hash is stored)."""
+    if args.data_dir:
+        settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
+    try:
+        return asyncio.run(_issue_key(args, settings))
+    except (StoreError, EmbeddedStoreError) as e:
+        print(f"ibex keys issue: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"ibex keys issue: invalid key: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     async def run() -> None:
         urls = StoreUrls.from_settings(settings)
@@ -267,6 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--host", default=None, help="listen address (IBEX_HOST)")
     proxy.add_argument("--port", type=int, default=None, help="port, 0 for a free one (IBEX_PORT)")
     proxy.set_defaults(func=cmd_proxy)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    issue = keys.add_parser("issue", help="issue a key for agents of an organization (local stores)")
+    issue.add_argument("--org", required=True, help="Organization name")
+    issue.add_argument("--agent", required=True, help="Agent name (comma-separated for several)")
+    issue.add_argument("--namespace", default="tenants", help="namespace of the organization (default: tenants)")
+    issue.add_argument("--scopes", default="chat,memory:read,memory:write,memory:delete", help="comma-separated")
+    issue.add_argument("--name", default=None, help="ApiKey name (default: generated)")
+    issue.add_argument("--data-dir", default=None, help="the data dir of a running `ibex dev`")
+    issue.set_defaults(func=cmd_keys_issue)
 
     migrate = sub.add_parser("migrate", help="apply pending Postgres and ClickHouse migrations")
     migrate.set_defaults(func=cmd_migrate)

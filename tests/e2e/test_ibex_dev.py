@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from aiohttp import ClientSession
+from openai import OpenAI
 
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.security.apikeys import parse_token, secret_matches
@@ -112,6 +114,27 @@ async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(tmp_
         assert [await token_is_valid(info, pepper, t) for t in first_keys.values()] == [True] * len(first_keys)
         for ref, token in first_keys.items():
             assert token in "".join(dev.output), f"{ref} was not printed"
+
+        # The main job serves chats as a user drives it: the official SDK, a printed key, the echo model.
+        def chat_as(token: str) -> list[dict[str, str]]:
+            with OpenAI(base_url=dev.base_url + "/v1", api_key=token, max_retries=0,
+                        default_headers={"X-IBEX-Agent-ID": "support-bot"}) as ai:  # fmt: skip
+                reply = ai.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hello"}])
+            seen: list[dict[str, str]] = json.loads(reply.choices[0].message.content or "")
+            return seen
+
+        seen = await asyncio.to_thread(chat_as, first_keys["tenants/support-bot-key"])
+        assert seen[0]["role"] == "system" and "support assistant for Acme" in seen[0]["content"]
+        assert seen[-1] == {"role": "user", "content": "hello"}
+        issued = await asyncio.to_thread(
+            subprocess.run,
+            [*IBEX, "keys", "issue", "--data-dir", str(data_dir), "--org", "acme", "--agent", "support-bot",
+             "--scopes", "chat"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert issued.returncode == 0, issued.stderr
+        fresh_token = json.loads(issued.stdout)["token"]
+        assert (await asyncio.to_thread(chat_as, fresh_token))[-1]["content"] == "hello"
         pg_port, redis_port = (
             info.postgres_app_dsn.rsplit(":", 1)[1].split("/")[0],
             info.redis_url.split(":")[2].split("/")[0],

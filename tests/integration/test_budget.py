@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -499,11 +501,25 @@ async def test_two_replicas_together_never_overspend_the_agent_or_the_org(
 # -- Postgres down -----------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def scratch_dir() -> Iterator[Path]:
+    """A directory outside pytest's basetemp.
+
+    Every pytest session that starts (another run on the same machine) resets ``/tmp/pytest-of-<user>`` to 0700,
+    which locks the unprivileged Postgres user (when run as root) out of a data directory below it mid-initdb.
+    """
+    path = Path(tempfile.mkdtemp(prefix="ibex-budget-test-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 async def test_budgets_fail_closed_while_postgres_is_down_and_resume_after_a_restart(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    scratch_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A throwaway server of its own: stopping the session's Postgres would break every other test."""
-    pg = EmbeddedPostgres(tmp_path / "pg")
+    pg = EmbeddedPostgres(scratch_dir / "pg")
     await asyncio.to_thread(pg.start)
     try:
         await migrate_postgres(pg.dsn(ADMIN_ROLE), default_migrations_dir() / "postgres")

@@ -27,13 +27,18 @@ from ibex_dataplane.store.postgres import CONNECTION_ERRORS, Database
 # "Not reachable" also covers a server shutting down under us (57P01 ...) and statement timeouts (57014).
 UNAVAILABLE: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncpg.OperatorInterventionError)
 
+# The hot path uses the one-statement *_as entry points of migration 0009 (through Database.call_as): the tenant
+# is set inside the statement, so the hot budget rows stay locked for one round trip instead of until a COMMIT.
 _HOLD = (
     "SELECT outcome, scope, scope_limit, scope_spent, scope_held"
-    " FROM ibex_budget_hold($1::uuid, $2::uuid, $3::text, $4::date, $5::numeric, $6::numeric, $7::numeric,"
-    " $8::text, $9::interval)"
+    " FROM ibex_budget_hold_as($1::uuid, $2::uuid, $3::uuid, $4::text, $5::date, $6::numeric, $7::numeric,"
+    " $8::numeric, $9::text, $10::interval)"
 )
-_SETTLE = "SELECT ibex_budget_settle($1::uuid, $2::numeric, $3::text, $4::integer, $5::integer)"
-_RELEASE = "SELECT ibex_budget_release($1::uuid)"
+_SETTLE = (
+    "SELECT ibex_budget_settle_as($1::uuid, $2::uuid, $3::uuid, $4::numeric, $5::text, $6::integer, $7::integer)"
+    " AS status"
+)
+_RELEASE = "SELECT ibex_budget_release_as($1::uuid, $2::uuid, $3::uuid) AS status"
 _SWEEP = "SELECT ibex_sweep_expired_holds($1::integer)"
 _PERIOD = (
     "SELECT limit_usd, enforcement, spent_usd, held_usd FROM budget_periods"
@@ -105,6 +110,12 @@ class BudgetRepository:
         except UNAVAILABLE as e:
             raise StoreUnavailable("postgres", type(e).__name__) from e
 
+    async def _call_as(self, org_id: UUID, agent_id: UUID, sql: str, *args: object) -> asyncpg.Record | None:
+        try:
+            return await self._db.call_as(org_id, agent_id, sql, *args)
+        except UNAVAILABLE as e:
+            raise StoreUnavailable("postgres", type(e).__name__) from e
+
     async def place_hold(
         self,
         org_id: UUID,
@@ -120,19 +131,10 @@ class BudgetRepository:
         ttl: timedelta,
     ) -> HoldResult:
         """Check every limit, then hold on both the org and the agent or on neither (see ibex_budget_hold)."""
-        async with self._tenant(org_id, agent_id) as conn:
-            row = await conn.fetchrow(
-                _HOLD,
-                hold_id,
-                agent_id,
-                request_id,
-                period_start,
-                amount_usd,
-                org_limit_usd,
-                agent_limit_usd,
-                enforcement,
-                ttl,
-            )
+        row = await self._call_as(
+            org_id, agent_id, _HOLD, hold_id, request_id, period_start, amount_usd, org_limit_usd, agent_limit_usd,
+            enforcement, ttl,
+        )  # fmt: skip
         assert row is not None  # a function call always returns one row
         return HoldResult(
             HoldOutcome(row["outcome"]), row["scope"], row["scope_limit"], row["scope_spent"], row["scope_held"]
@@ -150,14 +152,16 @@ class BudgetRepository:
         completion_tokens: int,
     ) -> HoldStatus | None:
         """Settle to the actual cost; returns the status the hold had before (None: not found in this org)."""
-        async with self._tenant(org_id, agent_id) as conn:
-            status = await conn.fetchval(_SETTLE, hold_id, actual_usd, model, prompt_tokens, completion_tokens)
+        row = await self._call_as(
+            org_id, agent_id, _SETTLE, hold_id, actual_usd, model, prompt_tokens, completion_tokens
+        )
+        status = row["status"] if row is not None else None
         return HoldStatus(status) if status is not None else None
 
     async def release_hold(self, org_id: UUID, agent_id: UUID, hold_id: UUID) -> HoldStatus | None:
         """Release a still-held hold; returns the status it had before (None: not found in this org)."""
-        async with self._tenant(org_id, agent_id) as conn:
-            status = await conn.fetchval(_RELEASE, hold_id)
+        row = await self._call_as(org_id, agent_id, _RELEASE, hold_id)
+        status = row["status"] if row is not None else None
         return HoldStatus(status) if status is not None else None
 
     async def read_period(self, org_id: UUID, scope_id: UUID, period_start: date) -> PeriodRow | None:
