@@ -38,12 +38,16 @@ class _Model(BaseModel):
 class ObjectRef(_Model):
     """A reference by name to another resource of the same namespace."""
 
-    name: ResourceName
+    name: ResourceName = Field(description="Name of the referenced resource, in the same namespace.")
 
 
 class Limits(_Model):
-    requests_per_minute: int | None = Field(default=None, ge=1, le=10_000_000)
-    tokens_per_minute: int | None = Field(default=None, ge=1, le=10_000_000_000)
+    """Rate limits enforced by the proxy across every replica; unset means unlimited."""
+
+    requests_per_minute: int | None = Field(default=None, ge=1, le=10_000_000, description="Requests per minute.")
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, le=2_000_000_000, description="Prompt plus completion tokens per minute."
+    )
 
 
 class Enforcement(enum.StrEnum):
@@ -59,8 +63,15 @@ def _usd(value: Any) -> Any:
 
 
 class OrganizationBudget(_Model):
-    monthly_limit_usd: str = Field(alias="monthlyLimitUSD", pattern=USD_AMOUNT, description="Monthly limit in USD.")
-    enforcement: Enforcement = Enforcement.HARD_CAP
+    """Monthly spend limit of the whole organization."""
+
+    monthly_limit_usd: str = Field(
+        alias="monthlyLimitUSD", pattern=USD_AMOUNT, description='Monthly limit in USD, as a string ("100.00").'
+    )
+    enforcement: Enforcement = Field(
+        default=Enforcement.HARD_CAP,
+        description="HardCap refuses requests that would exceed the limit; AlertOnly records and never blocks.",
+    )
 
     _coerce = field_validator("monthly_limit_usd", mode="before")(_usd)
 
@@ -70,7 +81,11 @@ class OrganizationBudget(_Model):
 
 
 class AgentBudget(_Model):
-    monthly_limit_usd: str = Field(alias="monthlyLimitUSD", pattern=USD_AMOUNT, description="Monthly limit in USD.")
+    """Monthly spend limit of one agent, inside its organization's budget."""
+
+    monthly_limit_usd: str = Field(
+        alias="monthlyLimitUSD", pattern=USD_AMOUNT, description='Monthly limit in USD, as a string ("10.00").'
+    )
 
     _coerce = field_validator("monthly_limit_usd", mode="before")(_usd)
 
@@ -80,32 +95,42 @@ class AgentBudget(_Model):
 
 
 class ModelPolicy(_Model):
+    """Which models the organization's keys may call."""
+
     allow: list[ModelGlob] = Field(default_factory=list, max_length=100, description="Globs; empty allows all.")
     deny: list[ModelGlob] = Field(default_factory=list, max_length=100, description="Globs; deny wins.")
-    default: ModelName | None = None
+    default: ModelName | None = Field(default=None, description="Model used when a request names none.")
 
 
 class OrganizationSpec(_Model):
-    display_name: str = Field(default="", max_length=200)
-    suspended: bool = False
-    limits: Limits = Field(default_factory=Limits)
-    budget: OrganizationBudget | None = None
-    models: ModelPolicy = Field(default_factory=ModelPolicy)
+    """A tenant: its status, limits, budget and model policy."""
+
+    display_name: str = Field(default="", max_length=200, description="Human-readable name.")
+    suspended: bool = Field(default=False, description="true: every key of the org gets 403 ORG_SUSPENDED.")
+    limits: Limits = Field(default_factory=Limits, description="Organization-wide rate limits.")
+    budget: OrganizationBudget | None = Field(default=None, description="Monthly budget; unset means no limit.")
+    models: ModelPolicy = Field(default_factory=ModelPolicy, description="Model allow and deny lists.")
 
 
 class AgentMemory(_Model):
-    enabled: bool = True
-    context_tokens: int = Field(default=2000, ge=0, le=1_000_000)
+    """Long-term memory of the agent and how much of the context window it may fill."""
+
+    enabled: bool = Field(default=True, description="Assemble memory context and accept memory writes.")
+    context_tokens: int = Field(
+        default=2000, ge=0, le=1_000_000, description="Token budget for memories injected into a request."
+    )
 
 
 class AgentSpec(_Model):
-    organization_ref: ObjectRef
-    display_name: str = Field(default="", max_length=200)
-    suspended: bool = False
-    default_model: ModelName | None = None
-    limits: Limits = Field(default_factory=Limits)
-    budget: AgentBudget | None = None
-    memory: AgentMemory = Field(default_factory=AgentMemory)
+    """An agent of one organization; API keys act as agents."""
+
+    organization_ref: ObjectRef = Field(description="The Organization this agent belongs to (immutable).")
+    display_name: str = Field(default="", max_length=200, description="Human-readable name.")
+    suspended: bool = Field(default=False, description="true: requests as this agent get 403 AGENT_SUSPENDED.")
+    default_model: ModelName | None = Field(default=None, description="Model used when a request names none.")
+    limits: Limits = Field(default_factory=Limits, description="Per-agent rate limits.")
+    budget: AgentBudget | None = Field(default=None, description="Monthly budget; unset means no agent limit.")
+    memory: AgentMemory = Field(default_factory=AgentMemory, description="Memory settings.")
 
 
 class InjectionMode(enum.StrEnum):
@@ -115,9 +140,15 @@ class InjectionMode(enum.StrEnum):
 
 
 class DirectiveSpec(_Model):
-    agent_ref: ObjectRef
-    content: str = Field(min_length=1, max_length=65536)
-    injection_mode: InjectionMode = InjectionMode.SYSTEM_FIRST
+    """The agent's standing instructions; every edit appends an immutable version and activates it."""
+
+    agent_ref: ObjectRef = Field(description="The Agent this directive applies to (one Directive per Agent).")
+    content: str = Field(min_length=1, max_length=65536, description="The directive text.")
+    injection_mode: InjectionMode = Field(
+        default=InjectionMode.SYSTEM_FIRST,
+        description="SystemFirst: first system message; SystemAppend: after the caller's system messages; "
+        "UserPrepend: before the first user message.",
+    )
 
 
 class Scope(enum.StrEnum):
@@ -129,12 +160,26 @@ class Scope(enum.StrEnum):
 
 
 class ApiKeySpec(_Model):
-    organization_ref: ObjectRef
-    agent_refs: list[ObjectRef] = Field(min_length=1, max_length=100)
-    scopes: list[Scope] = Field(min_length=1, max_length=len(Scope))
-    expires_at: datetime | None = None
-    revoked: bool = False
-    secret_name: ResourceName
+    """An API key: the operator issues the token into a Secret and stores only its hash."""
+
+    organization_ref: ObjectRef = Field(description="The Organization the key belongs to (immutable).")
+    agent_refs: list[ObjectRef] = Field(
+        min_length=1,
+        max_length=100,
+        description="Agents this key may act as (at least one, each once).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    scopes: list[Scope] = Field(
+        min_length=1,
+        max_length=len(Scope),
+        description="What the key may do (each scope once).",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    expires_at: datetime | None = Field(default=None, description="Optional expiry (RFC 3339 with a time zone).")
+    revoked: bool = Field(default=False, description="true: the key stops working on every replica within 1 s.")
+    secret_name: ResourceName = Field(
+        description="Secret (same namespace) the operator writes the token to, key token."
+    )
     rotation: int = Field(
         default=0, ge=0, description="Increment to rotate the key's secret; the key id stays the same."
     )
@@ -160,6 +205,66 @@ class ApiKeySpec(_Model):
         if v is not None and v.tzinfo is None:
             raise ValueError("expiresAt needs a time zone (for example 2027-06-30T00:00:00Z)")
         return v
+
+
+# -- status ----------------------------------------------------------------------------------------------------
+# Written by the operator only (never validated on input): they describe the status schema in the CRDs, so a field
+# the reconcile code records must be declared here or the apiserver prunes it.
+
+
+class ConditionStatus(enum.StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class StatusCondition(_Model):
+    """One observation about the resource, Kubernetes style; Ready is always present."""
+
+    type: str = Field(max_length=316, description="Ready, or one of the conditions behind it.")
+    status: ConditionStatus
+    reason: str = Field(max_length=1024, description="UpperCamelCase reason for the last transition.")
+    message: str = Field(default="", max_length=32768, description="Human-readable details.")
+    last_transition_time: datetime = Field(description="When the status last changed.")
+    observed_generation: int | None = Field(default=None, ge=0, description="Generation this was computed from.")
+
+
+class _Status(_Model):
+    observed_generation: int | None = Field(default=None, ge=0, description="Generation the status reflects.")
+    conditions: list[StatusCondition] = Field(
+        default_factory=list,
+        description="Ready and the conditions behind it.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class OrganizationStatus(_Status):
+    org_id: str | None = Field(default=None, description="Stable id of the organization in the stores.")
+
+
+class AgentStatus(_Status):
+    agent_id: str | None = Field(default=None, description="Stable id of the agent in the stores.")
+    org_id: str | None = Field(default=None, description="Id of the agent's organization.")
+
+
+class DirectiveStatus(_Status):
+    version: int | None = Field(default=None, ge=0, description="Active directive version.")
+    content_sha256: str | None = Field(
+        default=None, alias="contentSHA256", description="SHA-256 of the active version's content."
+    )
+    agent_id: str | None = Field(default=None, description="Id of the agent the directive applies to.")
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(description="Secret name.")
+    key: str = Field(description="Key inside the Secret.")
+
+
+class ApiKeyStatus(_Status):
+    key_id: str | None = Field(default=None, description="Public key id (the <keyid> in ibex_sk_<keyid>_<secret>).")
+    org_id: str | None = Field(default=None, description="Id of the key's organization.")
+    secret_ref: SecretKeyRef | None = Field(default=None, description="Where the token is.")
+    rotation: int | None = Field(default=None, ge=0, description="spec.rotation last applied.")
 
 
 class ObjectMeta(BaseModel):
@@ -214,4 +319,10 @@ PLURALS: dict[str, str] = {
     "Agent": "agents",
     "Directive": "directives",
     "ApiKey": "apikeys",
+}
+STATUS_MODELS: dict[str, type[_Model]] = {
+    "Organization": OrganizationStatus,
+    "Agent": AgentStatus,
+    "Directive": DirectiveStatus,
+    "ApiKey": ApiKeyStatus,
 }

@@ -1,4 +1,5 @@
-"""Where issued API key tokens go: a Kubernetes Secret (operator) or a local file (``ibex dev``).
+"""Where issued API key tokens go: a Kubernetes Secret (the operator's ``handlers.KubernetesSecretSink``, since
+only that module talks to the Kubernetes API) or a local file (``ibex dev``, :class:`FileSecretSink`).
 
 The plaintext token exists only there. Reconcile reads it back to check it still matches the stored hash and
 re-issues the key's secret when it does not (for example after the Secret was deleted).

