@@ -55,6 +55,7 @@ class Reconciler:
         known_id: str | None = None,
     ) -> ReconcileOutcome:
         outcome = partial(ReconcileOutcome, "Organization", namespace, name)
+        fail = partial(ReconcileOutcome.failed, "Organization", namespace, name)
 
         try:
             org_id = await self._repo.upsert_org(
@@ -73,13 +74,7 @@ class Reconciler:
                 generation=generation,
             )
         except StoreUnavailable as e:
-            return outcome(
-                ready=False,
-                reason="StoreUnavailable",
-                message=str(e),
-                retryable=True,
-                conditions=(Condition("StoreSynced", "False", "StoreUnavailable", str(e)),),
-            )
+            return fail("StoreSynced", "StoreUnavailable", str(e), retryable=True)
         return outcome(
             ready=True,
             reason="Reconciled",
@@ -93,27 +88,17 @@ class Reconciler:
         self, namespace: str, name: str, spec: AgentSpec, *, generation: int, known_id: str | None = None
     ) -> ReconcileOutcome:
         outcome = partial(ReconcileOutcome, "Agent", namespace, name)
+        fail = partial(ReconcileOutcome.failed, "Agent", namespace, name)
 
         try:
             org = await self._repo.find_org(namespace, spec.organization_ref.name)
             if org is None:
                 msg = f"Organization {namespace}/{spec.organization_ref.name} not found"
-                return outcome(
-                    ready=False,
-                    reason="OrganizationNotFound",
-                    message=msg,
-                    retryable=True,
-                    conditions=(Condition("OrganizationBound", "False", "OrganizationNotFound", msg),),
-                )
+                return fail("OrganizationBound", "OrganizationNotFound", msg, retryable=True)
             existing = await self._repo.find_agent(namespace, name)
             if existing is not None and existing.org_id != org.id:
                 msg = "an agent cannot move to another organization; delete and recreate it"
-                return outcome(
-                    ready=False,
-                    reason="OrganizationImmutable",
-                    message=msg,
-                    conditions=(Condition("OrganizationBound", "False", "OrganizationImmutable", msg),),
-                )
+                return fail("OrganizationBound", "OrganizationImmutable", msg)
             agent_id = await self._repo.upsert_agent(
                 known_id=_uuid(known_id),
                 org_id=org.id,
@@ -130,13 +115,7 @@ class Reconciler:
                 generation=generation,
             )
         except StoreUnavailable as e:
-            return outcome(
-                ready=False,
-                reason="StoreUnavailable",
-                message=str(e),
-                retryable=True,
-                conditions=(Condition("StoreSynced", "False", "StoreUnavailable", str(e)),),
-            )
+            return fail("StoreSynced", "StoreUnavailable", str(e), retryable=True)
         return outcome(
             ready=True,
             reason="Reconciled",
@@ -153,19 +132,14 @@ class Reconciler:
         self, namespace: str, name: str, spec: DirectiveSpec, *, generation: int, known_id: str | None = None
     ) -> ReconcileOutcome:
         outcome = partial(ReconcileOutcome, "Directive", namespace, name)
+        fail = partial(ReconcileOutcome.failed, "Directive", namespace, name)
 
         sha = hashlib.sha256(spec.content.encode()).hexdigest()
         try:
             agent = await self._repo.find_agent(namespace, spec.agent_ref.name)
             if agent is None:
                 msg = f"Agent {namespace}/{spec.agent_ref.name} not found"
-                return outcome(
-                    ready=False,
-                    reason="AgentNotFound",
-                    message=msg,
-                    retryable=True,
-                    conditions=(Condition("AgentBound", "False", "AgentNotFound", msg),),
-                )
+                return fail("AgentBound", "AgentNotFound", msg, retryable=True)
             state = await self._repo.directive_state(namespace, name)
             try:
                 version = await self._repo.put_directive_version(
@@ -179,29 +153,13 @@ class Reconciler:
                     injection_mode=spec.injection_mode.value,
                 )
             except ValueError as e:
-                return outcome(
-                    ready=False,
-                    reason="AgentConflict",
-                    message=str(e),
-                    conditions=(Condition("AgentBound", "False", "AgentConflict", str(e)),),
-                )
+                return fail("AgentBound", "AgentConflict", str(e))
         except StoreUnavailable as e:
-            return outcome(
-                ready=False,
-                reason="StoreUnavailable",
-                message=str(e),
-                retryable=True,
-                conditions=(Condition("StoreSynced", "False", "StoreUnavailable", str(e)),),
-            )
+            return fail("StoreSynced", "StoreUnavailable", str(e), retryable=True)
         except Exception as e:
             if "directives_agent_id_key" in str(e):
                 msg = f"Agent {spec.agent_ref.name} already has another Directive"
-                return outcome(
-                    ready=False,
-                    reason="AgentConflict",
-                    message=msg,
-                    conditions=(Condition("AgentBound", "False", "AgentConflict", msg),),
-                )
+                return fail("AgentBound", "AgentConflict", msg)
             raise
         return outcome(
             ready=True,
@@ -222,44 +180,28 @@ class Reconciler:
         owner: dict[str, str] | None = None,
     ) -> ReconcileOutcome:
         outcome = partial(ReconcileOutcome, "ApiKey", namespace, name)
+        fail = partial(ReconcileOutcome.failed, "ApiKey", namespace, name)
 
         try:
             org = await self._repo.find_org(namespace, spec.organization_ref.name)
             if org is None:
                 msg = f"Organization {namespace}/{spec.organization_ref.name} not found"
-                return outcome(
-                    ready=False,
-                    reason="OrganizationNotFound",
-                    message=msg,
-                    retryable=True,
-                    conditions=(Condition("OrganizationBound", "False", "OrganizationNotFound", msg),),
-                )
+                return fail("OrganizationBound", "OrganizationNotFound", msg, retryable=True)
             agent_ids: list[UUID] = []
             for ref in spec.agent_refs:
                 agent = await self._repo.find_agent(namespace, ref.name)
                 if agent is None:
                     msg = f"Agent {namespace}/{ref.name} not found"
-                    return outcome(
-                        ready=False,
-                        reason="AgentNotFound",
-                        message=msg,
-                        retryable=True,
-                        conditions=(Condition("AgentsBound", "False", "AgentNotFound", msg),),
-                    )
+                    return fail("AgentsBound", "AgentNotFound", msg, retryable=True)
                 if agent.org_id != org.id:
                     msg = f"Agent {ref.name} belongs to another organization"
-                    return outcome(
-                        ready=False,
-                        reason="AgentOrganizationMismatch",
-                        message=msg,
-                        conditions=(Condition("AgentsBound", "False", "AgentOrganizationMismatch", msg),),
-                    )
+                    return fail("AgentsBound", "AgentOrganizationMismatch", msg)
                 agent_ids.append(agent.id)
 
             existing = await self._repo.find_key(namespace, name)
             if existing is not None and existing.org_id != org.id:
                 msg = "an API key cannot move to another organization; delete and recreate it"
-                return outcome(ready=False, reason="OrganizationImmutable", message=msg)
+                return fail("OrganizationBound", "OrganizationImmutable", msg)
             token = await self._secrets.read(namespace, spec.secret_name)
             current_valid = existing is not None and _token_matches(
                 self._pepper, token, existing.id, existing.secret_hash
@@ -295,13 +237,7 @@ class Reconciler:
             if rotate and token is not None:
                 await self._secrets.write(namespace, spec.secret_name, token, owner)
         except StoreUnavailable as e:
-            return outcome(
-                ready=False,
-                reason="StoreUnavailable",
-                message=str(e),
-                retryable=True,
-                conditions=(Condition("StoreSynced", "False", "StoreUnavailable", str(e)),),
-            )
+            return fail("StoreSynced", "StoreUnavailable", str(e), retryable=True)
         state = "revoked" if spec.revoked else "active"
         return outcome(
             ready=not spec.revoked,

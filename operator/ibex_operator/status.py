@@ -63,6 +63,16 @@ class ReconcileOutcome:
             "conditions": [c.to_k8s(generation, prev_conditions) for c in self.all_conditions],
         }
 
+    @classmethod
+    def failed(
+        cls, kind: str, namespace: str, name: str, cause: str, reason: str, message: str, *, retryable: bool = False
+    ) -> ReconcileOutcome:
+        """Ready=False because of one cause condition (e.g. OrganizationBound=False, reason OrganizationNotFound)."""
+        return cls(
+            kind, namespace, name, ready=False, reason=reason, message=message, retryable=retryable,
+            conditions=(Condition(cause, "False", reason, message),),
+        )  # fmt: skip
+
     @property
     def ref(self) -> str:
         return f"{self.kind} {self.namespace}/{self.name}"

@@ -24,7 +24,8 @@ from aiohttp import web
 from ibex_dataplane.proxy.auth import Caller, KeyValidator, require_scope
 from ibex_dataplane.proxy.errors import ApiError
 from ibex_dataplane.proxy.metrics import ProxyMetrics
-from ibex_dataplane.proxy.policy import AgentPolicy, PolicyService, PolicySnapshot
+from ibex_dataplane.proxy.policy import PolicyService, PolicySnapshot
+from ibex_dataplane.proxy.repository import AgentPolicy
 from ibex_dataplane.store.errors import StoreUnavailable
 
 AGENT_HEADER = "X-IBEX-Agent-ID"

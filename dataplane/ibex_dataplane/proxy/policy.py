@@ -16,21 +16,8 @@ from uuid import UUID
 import orjson
 
 from ibex_dataplane.proxy.cache import TieredCache
-from ibex_dataplane.proxy.repository import AgentRow, OrgRow, ProxyRepository
+from ibex_dataplane.proxy.repository import AgentPolicy, OrgRow, ProxyRepository
 from ibex_dataplane.store.keys import TenantKeys
-
-
-@dataclass(frozen=True)
-class AgentPolicy:
-    id: UUID
-    name: str
-    suspended: bool
-    default_model: str | None
-    rpm: int | None
-    tpm: int | None
-    budget_limit: Decimal | None
-    memory_enabled: bool
-    memory_context_tokens: int
 
 
 @dataclass(frozen=True)
@@ -113,12 +100,10 @@ class PolicySnapshot:
         )  # fmt: skip
 
     @classmethod
-    def from_rows(cls, org: OrgRow, agents: list[AgentRow]) -> PolicySnapshot:
+    def from_rows(cls, org: OrgRow, agents: list[AgentPolicy]) -> PolicySnapshot:
         return cls(
             org.id, org.name, org.display_name, org.suspended, org.rpm, org.tpm, org.budget_limit, org.enforcement,
-            org.allow, org.deny, org.default_model,
-            {a.id: AgentPolicy(a.id, a.name, a.suspended, a.default_model, a.rpm, a.tpm, a.budget_limit,
-                               a.memory_enabled, a.memory_context_tokens) for a in agents},
+            org.allow, org.deny, org.default_model, {a.id: a for a in agents},
         )  # fmt: skip
 
 

@@ -51,7 +51,9 @@ class KeyRecord:
 
 
 @dataclass(frozen=True)
-class AgentRow:
+class AgentPolicy:
+    """An agent as the policy snapshot carries it (the row is the policy)."""
+
     id: UUID
     name: str
     suspended: bool
@@ -109,7 +111,7 @@ class ProxyRepository:
             agent_ids=frozenset(row["agent_ids"]),
         )
 
-    async def org_and_agents(self, org_id: UUID) -> tuple[OrgRow | None, Sequence[AgentRow]]:
+    async def org_and_agents(self, org_id: UUID) -> tuple[OrgRow | None, Sequence[AgentPolicy]]:
         async with self._db.tenant(org_id, readonly=True) as conn:
             org = await conn.fetchrow(
                 "SELECT id, name, display_name, suspended, rpm_limit, tpm_limit, budget_limit_usd,"
@@ -129,7 +131,7 @@ class ProxyRepository:
             tuple(org["models_deny"]), org["default_model"],
         )  # fmt: skip
         agent_rows = [
-            AgentRow(
+            AgentPolicy(
                 a["id"],
                 a["name"],
                 a["suspended"],
