@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ibex_dataplane.memory.idempotency import IdempotencyLedger
 from ibex_dataplane.providers.catalog import CatalogConfigError, ModelCatalog
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
@@ -30,6 +31,7 @@ from ibex_dataplane.proxy.chat import (
     ChatServices,
     budget_hold,
     directive_and_session,
+    idempotency,
     model_policy,
     rate_limit,
     validate_request,
@@ -142,6 +144,7 @@ def create_app(
         services = ChatServices(
             catalog=catalog, providers=registry, rate_limiter=RateLimiter(stores.redis), budgets=budgets,
             directives=directives, sessions=sessions, metrics=metrics, background=background, analytics=analytics,
+            idempotency=IdempotencyLedger(stores.db),
         )  # fmt: skip
         app[SERVICES] = services
         chat_pipeline = GatePipeline(
@@ -150,6 +153,7 @@ def create_app(
                 ("model_policy", model_policy(catalog)),
                 ("rate_limit", rate_limit(services.rate_limiter)),
                 ("validation", validate_request),
+                ("idempotency", idempotency(services.idempotency)),
                 ("budget_hold", budget_hold(budgets, catalog)),
                 ("directive_session", directive_and_session(directives)),
             ],

@@ -21,6 +21,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ibex_dataplane.memory.errors import MemoryServiceError
+from ibex_dataplane.memory.idempotency import (
+    REPLAYED_HEADER,
+    Claim,
+    IdempotencyLedger,
+    StoredResponse,
+    fingerprint,
+    idempotency_key_of,
+)
 from ibex_dataplane.providers.base import ChatRequest, StreamChunk, StreamDone, Usage
 from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo
 from ibex_dataplane.providers.errors import ProviderError, UpstreamRejected
@@ -57,6 +66,7 @@ class ChatPlan:
     directive_version: int | None = None
     rate_window: int | None = None
     # What the handoff produced, for the trace:
+    claim: Claim | None = None  # Idempotency-Key claim of a non-streaming request
     usage: Usage | None = None
     served_by: str = ""
     provider: str = ""
@@ -99,6 +109,7 @@ class ChatServices:
     metrics: ProxyMetrics
     background: BackgroundTasks
     analytics: AnalyticsRecorder
+    idempotency: IdempotencyLedger
 
 
 def _plan(state: GateState) -> ChatPlan:
@@ -175,6 +186,43 @@ async def validate_request(state: GateState) -> None:
     plan.body = {**body, "model": plan.model.name}
 
 
+class Replay(Exception):
+    """Raised by the idempotency gate: answer with the stored response, run nothing else."""
+
+    def __init__(self, stored: StoredResponse) -> None:
+        super().__init__("idempotent replay")
+        self.stored = stored
+
+
+def as_api_error(e: MemoryServiceError) -> ApiError:
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return ApiError(e.status, e.code, e.message, field_errors=e.field_errors, headers=headers)
+
+
+def idempotency(ledger: IdempotencyLedger) -> Any:
+    """Idempotency-Key on non-streaming chat: same key and body replay the stored answer; another body is 409."""
+
+    async def gate(state: GateState) -> None:
+        plan = _plan(state)
+        try:
+            key = idempotency_key_of(state.request.headers)
+            if key is None or plan.body.get("stream") is True:
+                return
+            caller = state.require_caller()
+            _, agent = state.require_agent()
+            result = await ledger.claim(
+                caller.org_id, agent.id, key, "chat.completions", fingerprint("chat.completions", state.raw_body),
+                lock_seconds=DEFAULT_DEADLINE + 10,
+            )  # fmt: skip
+        except MemoryServiceError as e:
+            raise as_api_error(e) from e
+        if isinstance(result, StoredResponse):
+            raise Replay(result)
+        plan.claim = result
+
+    return gate
+
+
 def budget_hold(budgets: BudgetService, catalog: ModelCatalog) -> Any:
     async def gate(state: GateState) -> None:
         plan = _plan(state)
@@ -237,11 +285,20 @@ class ChatHandler:
         try:
             try:
                 await self._pipeline.run(state)
+            except Replay as replay:
+                status = replay.stored.status
+                return web.Response(
+                    status=replay.stored.status, body=replay.stored.body,
+                    headers={**replay.stored.headers, **state.response_headers, REPLAYED_HEADER: "true"},
+                )  # fmt: skip
             except ApiError as e:
                 e.headers = {**state.response_headers, **e.headers}
                 plan = state.extra.get("chat")
-                if isinstance(plan, ChatPlan) and plan.hold is not None:
-                    self._s.background.spawn("release", self._s.budgets.release(plan.hold))
+                if isinstance(plan, ChatPlan):
+                    if plan.hold is not None:
+                        self._s.background.spawn("release", self._s.budgets.release(plan.hold))
+                    if plan.claim is not None:  # nothing ran: let a retry with the same key run again
+                        self._s.background.spawn("abandon", self._s.idempotency.abandon(plan.claim))
                 status, error_code = e.status, e.code
                 raise
             plan = _plan(state)
@@ -253,11 +310,28 @@ class ChatHandler:
                 response = await self._stream(state, plan, chat)
             else:
                 response = await self._complete(state, plan, chat)
+                if plan.claim is not None:
+                    await self._finalize(plan.claim, response)
             status = response.status
             error_code = state.extra.get("error_code", "") if status >= 400 else ""
             return response
+        except ApiError as e:
+            status, error_code = e.status, e.code
+            raise
         finally:
             self._trace(state, status, error_code)
+
+    async def _finalize(self, claim: Claim, response: web.StreamResponse) -> None:
+        """Record the answer under the idempotency key before returning it; a provider failure frees the key."""
+        if response.status >= 500:
+            self._s.background.spawn("abandon", self._s.idempotency.abandon(claim))
+            return
+        keep = {str(k): v for k, v in response.headers.items() if k in ("Content-Type", "X-IBEX-Session-ID")}
+        body = response.body if isinstance(response, web.Response) and isinstance(response.body, bytes) else b""
+        try:
+            await self._s.idempotency.complete(claim, StoredResponse(response.status, body, keep))
+        except MemoryServiceError as e:  # never report success over an unfinished claim
+            raise as_api_error(e) from e
 
     def _trace(self, state: GateState, status: int, error_code: str) -> None:
         """One analytics row per request that got as far as a known org and agent (never content)."""

@@ -1,0 +1,397 @@
+"""Memory stage benchmark (architecture section 16): single write, bulk ingest and search at 10k and 100k memories.
+
+Starts its own embedded stores, the memory stage and the proxy in-process (real Postgres + pgvector, Valkey, the
+ONNX embedder and Presidio), creates one tenant through the real reconcile code, and drives everything over HTTP
+through the proxy as an agent would:
+
+1. single writes: N sequential ``POST /v1/memories`` of distinct sentences (the whole refinery);
+2. bulk ingest: ``POST /v1/memories:batch`` of 100 items until the agent holds 10k memories;
+3. search at 10k: sequential ``POST /v1/memories/search`` (query masking, embedding, hybrid SQL, scoring);
+4. grow the agent to 100k memories. Setup shortcut (documented): the extra 90k rows are embedded with the same
+   embedder ahead of time and COPY'd straight into ``memories`` as the admin role, because 90k writes through the
+   refinery take most of an hour on 2 cores; a second org's agent gets 20k rows the same way, so the shared HNSW
+   index really has to filter by tenant;
+5. search at 100k, plus the recall of the filtered ANN leg (HNSW iterative scan) against an exact scan.
+
+Run: ``.venv/bin/python bench/memory_bench.py [--single 300] [--searches 300] [--big 100000] [--out FILE]``.
+Prints medians and percentiles; it never gates anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import ClientSession
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder  # noqa: E402
+from ibex_dataplane.memory.app import METRICS  # noqa: E402
+from ibex_dataplane.memory.models import Tenant as MemoryTenant  # noqa: E402
+from ibex_dataplane.memory.refinery import content_hash  # noqa: E402
+from ibex_dataplane.memory.repository import MemoryRepository  # noqa: E402
+from ibex_dataplane.pii.redactor import PiiRedactor  # noqa: E402
+from ibex_dataplane.runtime.embedded import EmbeddedRuntime  # noqa: E402
+from ibex_dataplane.runtime.stores import Stores, StoreUrls, migrate_all  # noqa: E402
+from ibex_dataplane.settings import Settings  # noqa: E402
+from ibex_dataplane.store.clickhouse import ClickHouse  # noqa: E402
+from ibex_operator.reconcile import Reconciler  # noqa: E402
+from ibex_operator.repository import TenantConfigRepository  # noqa: E402
+from ibex_operator.secrets import FileSecretSink  # noqa: E402
+from tests.support.proxy import MemoryDeps, running_proxy  # noqa: E402
+from tests.support.tenants import Tenant, TenantFactory  # noqa: E402
+
+SUBJECTS = ["The user", "Alice", "The support team", "Our CFO", "The on-call engineer", "The customer", "Bob",
+            "The design lead", "The warehouse manager", "The new intern", "Priya", "The QA team", "Marco",
+            "The sales rep", "The landlord", "The billing service", "The mobile app", "The nightly job"]  # fmt: skip
+VERBS = ["prefers", "asked about", "complained about", "approved", "rejected", "scheduled", "forgot", "mentioned",
+         "wants to change", "is responsible for", "reviewed", "cancelled", "renewed", "escalated", "documented",
+         "migrated", "is allergic to", "recommended", "budgeted for", "blocked"]  # fmt: skip
+OBJECTS = [
+    "the quarterly report",
+    "window seats",
+    "the staging cluster",
+    "oat milk",
+    "the vendor contract",
+    "dark mode",
+    "the Kubernetes upgrade",
+    "weekly standups",
+    "the refund policy",
+    "Postgres backups",
+    "the onboarding checklist",
+    "peanuts",
+    "the marketing budget",
+    "the API rate limits",
+    "Python 3.12",
+    "the holiday rota",
+    "invoice reminders",
+    "the data retention policy",
+    "gluten-free meals",
+    "the hiring plan",
+    "the SLA dashboard",
+    "two-factor login",
+    "the office move",
+    "TLS certificates",
+    "the pricing page",
+    "customer churn",
+    "the incident review",
+    "GPU quotas",
+    "the loyalty program",
+]
+WHEN = ["on Mondays", "every morning", "last week", "before the release", "after lunch", "in Q3", "since March",
+        "during the audit", "at month end", "next sprint", "on weekends", "every other Friday", "yesterday",
+        "before noon", "in the spring"]  # fmt: skip
+PLACES = ["in Berlin", "in the London office", "on the west coast", "in the Lisbon hub", "remotely", "in Tokyo",
+          "at headquarters", "in the Austin lab", "in Singapore", "at the Paris store"]  # fmt: skip
+DETAILS = [
+    "because of costs",
+    "for compliance",
+    "to cut latency",
+    "at the customer's request",
+    "after feedback",
+    "as a trial",
+    "for the second time",
+    "with a deadline",
+    "despite objections",
+    "without a ticket",
+]
+
+
+def sentence(rng: random.Random, i: int) -> str:
+    """A varied synthetic memory; ``i`` makes it unique (so exact dedup never fires by accident)."""
+    return (
+        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(WHEN)} "
+        f"{rng.choice(PLACES)} {rng.choice(DETAILS)} (note {i})."
+    )
+
+
+def query(rng: random.Random) -> str:
+    return f"what does {rng.choice(SUBJECTS).lower()} think of {rng.choice(OBJECTS)} {rng.choice(WHEN)}"
+
+
+def phase_means(metrics: Any, before: dict[str, tuple[float, float]]) -> tuple[str, dict[str, tuple[float, float]]]:
+    """Mean seconds per search phase (embed, query, score) since ``before``, from the stage's own histogram."""
+    now: dict[str, tuple[float, float]] = {}
+    for family in metrics.search_seconds.collect():
+        for sample in family.samples:
+            phase = sample.labels.get("phase", "")
+            total, count = now.get(phase, (0.0, 0.0))
+            if sample.name.endswith("_sum"):
+                now[phase] = (sample.value, count)
+            elif sample.name.endswith("_count"):
+                now[phase] = (total, sample.value)
+    parts = []
+    for phase, (total, count) in sorted(now.items()):
+        t0, c0 = before.get(phase, (0.0, 0.0))
+        if count > c0:
+            parts.append(f"{phase}={(total - t0) / (count - c0) * 1000:.2f}ms")
+    return "  mean per phase in the memory stage: " + " ".join(parts), now
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(label: str, seconds: list[float]) -> str:
+    ms = [s * 1000 for s in seconds]
+    return (
+        f"{label:<34} n={len(ms):>5}  p50={statistics.median(ms):7.2f} ms  p95={pct(ms, 0.95):7.2f} ms  "
+        f"p99={pct(ms, 0.99):7.2f} ms  mean={statistics.fmean(ms):7.2f} ms"
+    )
+
+
+async def timed(n: int, call: Callable[[int], Awaitable[None]]) -> list[float]:
+    out = []
+    for i in range(n):
+        started = time.perf_counter()
+        await call(i)
+        out.append(time.perf_counter() - started)
+    return out
+
+
+async def copy_rows(
+    stores: Stores, tenant: Tenant, agent: str, texts: list[str], vectors: np.ndarray[Any, Any]
+) -> None:
+    """Setup shortcut: rows with precomputed embeddings, COPY'd as the admin role (bypasses the refinery)."""
+    assert stores.admin_pool is not None
+    org, agent_id = tenant.org_id, tenant.agents[agent]
+    records = [
+        (uuid.uuid4(), org, agent_id, text, content_hash(text), "active", "imported", 1.0, "{}", vector)
+        for text, vector in zip(texts, vectors, strict=True)
+    ]
+    async with stores.admin_pool.acquire() as conn:
+        for first in range(0, len(records), 5000):
+            await conn.copy_records_to_table(
+                "memories",
+                records=records[first : first + 5000],
+                columns=[
+                    "id",
+                    "org_id",
+                    "agent_id",
+                    "content",
+                    "content_hash",
+                    "status",
+                    "source",
+                    "confidence",
+                    "metadata",
+                    "embedding",
+                ],
+            )
+        await conn.execute("ANALYZE memories")
+
+
+async def ann_recall(stores: Stores, tenant: Tenant, vectors: np.ndarray[Any, Any], k: int = 10) -> float:
+    """Recall@k of the filtered HNSW leg (as the search runs it) against an exact scan of the agent's rows."""
+    hits = total = 0
+    org, agent = tenant.org_id, tenant.agents["alpha"]
+    sql = (
+        "SELECT id FROM memories m WHERE m.org_id = $1 AND m.agent_id = $2 AND m.status = 'active' "
+        "AND m.embedding IS NOT NULL ORDER BY m.embedding <=> $3 LIMIT $4"
+    )
+    for vector in vectors:
+        async with stores.db.tenant(org, agent, readonly=True) as conn:
+            await conn.execute(
+                "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+                "set_config('hnsw.ef_search', '100', true)"
+            )
+            approx = {r["id"] for r in await conn.fetch(sql, org, agent, vector, k)}
+        async with stores.db.tenant(org, agent, readonly=True) as conn:
+            await conn.execute("SET LOCAL enable_indexscan = off")
+            exact = {r["id"] for r in await conn.fetch(sql, org, agent, vector, k)}
+        hits += len(approx & exact)
+        total += len(exact)
+    return hits / max(total, 1)
+
+
+async def direct_search(stores: Stores, tenant: Tenant, vectors: np.ndarray[Any, Any]) -> list[float]:
+    """The hybrid SQL path alone (one tenant transaction: settings, ANN + full text, hydration), no HTTP, no model."""
+    repo = MemoryRepository(stores.db)
+    scope = MemoryTenant(tenant.org_id, tenant.agents["alpha"])
+    out = []
+    for i in range(200):
+        started = time.perf_counter()
+        await repo.search(
+            scope, vector=vectors[i % len(vectors)], text="what does the user think of dark mode in q3", at=None,
+            ann_candidates=40, text_candidates=20, min_similarity=0.7, min_confidence=None, labels=[],
+        )  # fmt: skip
+        out.append(time.perf_counter() - started)
+    return out
+
+
+async def run(args: argparse.Namespace) -> list[str]:
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    rng = random.Random(7)
+    root = Path(tempfile.mkdtemp(prefix="ibex-memory-bench-"))
+    runtime = EmbeddedRuntime(root)
+    runtime.start()
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    try:
+        urls = StoreUrls.from_runtime(runtime.info)
+        clickhouse = ClickHouse(urls.clickhouse_url)
+        try:
+            await migrate_all(urls, settings, clickhouse)
+        finally:
+            await clickhouse.close()
+        stores = await Stores.open(urls, settings, admin=True)
+        embedder = OnnxMiniLMEmbedder.from_installed_packages()
+        redactor = PiiRedactor()
+        try:
+            assert stores.admin_pool is not None
+            pepper = secrets.token_bytes(32)
+            reconciler = Reconciler(
+                TenantConfigRepository(stores.admin_pool, stores.redis), FileSecretSink(root / "s.json"), pepper
+            )
+            factory = TenantFactory(reconciler, FileSecretSink(root / "s.json"))
+            tenant = await factory.create(agents=("alpha",))
+            other = await factory.create(agents=("alpha",))
+            async with (
+                running_proxy(settings, stores, pepper, memory=MemoryDeps(embedder, redactor)) as proxy,
+                ClientSession() as http,
+            ):
+                headers = {"Authorization": f"Bearer {tenant.keys['alpha']}", "X-IBEX-Agent-ID": "alpha"}
+                headers["X-IBEX-Agent-ID"] = str(tenant.agents["alpha"])
+                counter = iter(range(10**9))
+
+                async def post(path: str, body: Any, expect: int = 200) -> Any:
+                    async with http.post(proxy.v1 + path, json=body, headers=headers) as r:
+                        payload = await r.json()
+                        assert r.status == expect, (r.status, payload)
+                        return payload
+
+                report(f"machine: {__import__('os').cpu_count()} cores; embedded Postgres 18 + pgvector, Valkey")
+                # Warm-up (model, prepared statements, pools).
+                for _ in range(20):
+                    await post("/memories", {"content": sentence(rng, next(counter))}, 201)
+
+                single = await timed(
+                    args.single, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)
+                )
+                report(summary("single write (through proxy)", single))
+
+                total = args.single + 20
+                statuses: dict[int, int] = {}
+                for streams in sorted({1, args.streams}):
+                    # Half of the remaining ingest sequentially, the rest with concurrent batch requests (a bulk
+                    # importer's natural shape: embedding one batch overlaps PII and Postgres work of another).
+                    goal = total + (args.small - total) // (2 if streams == 1 and args.streams > 1 else 1)
+                    started = time.perf_counter()
+                    before = total
+
+                    async def stream(goal: int = goal) -> None:
+                        nonlocal total
+                        while total < goal:
+                            n = min(100, goal - total)
+                            total += n
+                            body = {"items": [{"content": sentence(rng, next(counter))} for _ in range(n)]}
+                            reply = await post("/memories:batch", body)
+                            for r in reply["results"]:
+                                statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+
+                    await asyncio.gather(*(stream() for _ in range(streams)))
+                    elapsed = time.perf_counter() - started
+                    report(f"bulk ingest, batches of 100, {streams} stream(s): {total - before} memories in "
+                           f"{elapsed:.1f}s = {(total - before) / elapsed:.0f} memories/s")  # fmt: skip
+
+                report(f"bulk item statuses (201 created, 202 quarantined, 200 duplicate): {sorted(statuses.items())}")
+
+                async def search(_: int) -> None:
+                    await post("/memories/search", {"query": query(rng)})
+
+                for _ in range(20):
+                    await search(0)
+                assert proxy.memory is not None
+                _, marks = phase_means(proxy.memory.app[METRICS], {})
+                report(summary(f"search at {total // 1000}k (through proxy)", await timed(args.searches, search)))
+                line, marks = phase_means(proxy.memory.app[METRICS], marks)
+                report(line)
+                qvecs = embedder.embed_sync([query(rng) for _ in range(50)])
+                report(f"filtered ANN recall@10 at {total // 1000}k: {await ann_recall(stores, tenant, qvecs):.3f}")
+
+                if args.big > total:
+                    extra = args.big - total
+                    started = time.perf_counter()
+                    texts = [sentence(rng, next(counter)) for _ in range(extra)]
+                    noise = [sentence(rng, next(counter)) for _ in range(args.noise)]
+                    vectors = embedder.embed_sync(texts + noise)
+                    embedded = time.perf_counter() - started
+                    await copy_rows(stores, tenant, "alpha", texts, vectors[:extra])
+                    await copy_rows(stores, other, "alpha", noise, vectors[extra:])
+                    copied = time.perf_counter() - started - embedded
+                    report(
+                        f"setup shortcut: embedded {extra + args.noise} texts in {embedded:.0f}s "
+                        f"({(extra + args.noise) / embedded:.0f}/s, embedder only), COPY + HNSW upkeep {copied:.0f}s; "
+                        f"other org: {args.noise} rows"
+                    )
+                    for _ in range(20):
+                        await search(0)
+                    _, marks = phase_means(proxy.memory.app[METRICS], {})
+                    report(
+                        summary(f"search at {args.big // 1000}k (through proxy)", await timed(args.searches, search))
+                    )
+                    report(phase_means(proxy.memory.app[METRICS], marks)[0])
+                    report(
+                        summary(
+                            f"  repository.search alone at {args.big // 1000}k",
+                            await direct_search(stores, tenant, qvecs),
+                        )
+                    )
+                    single_big = await timed(
+                        100, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)
+                    )
+                    report(summary(f"single write at {args.big // 1000}k", single_big))
+                    report(
+                        f"filtered ANN recall@10 at {args.big // 1000}k: {await ann_recall(stores, tenant, qvecs):.3f}"
+                    )
+        finally:
+            redactor.close()
+            embedder.close()
+            await stores.close()
+    finally:
+        runtime.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--single", type=int, default=300, help="sequential single writes to time")
+    parser.add_argument("--searches", type=int, default=300, help="sequential searches to time per size")
+    parser.add_argument("--small", type=int, default=10_000, help="memories of the agent for the first search run")
+    parser.add_argument("--big", type=int, default=100_000, help="memories of the agent for the second search run")
+    parser.add_argument("--noise", type=int, default=20_000, help="rows of another org in the same index")
+    parser.add_argument("--streams", type=int, default=1, help="concurrent batch requests in the second ingest half")
+    parser.add_argument("--verbose", action="store_true", help="log per-stage refinery timings")
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.verbose:
+        logging.getLogger("ibex_dataplane.memory.refinery").setLevel(logging.INFO)
+    lines = asyncio.run(run(args))
+    if args.out:
+        command = "python bench/memory_bench.py " + " ".join(sys.argv[1:])
+        args.out.write_text("$ " + command + "\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

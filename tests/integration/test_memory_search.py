@@ -1,0 +1,132 @@
+"""Search, list and feedback over HTTP: hybrid retrieval, composite score, fences, filters, pagination."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from datetime import UTC, datetime, timedelta
+
+from ibex_dataplane.runtime.stores import Stores
+from tests.support.memory import memory_client
+from tests.support.proxy import RunningProxy
+from tests.support.tenants import TenantFactory
+
+WEIGHTS = {"relevance": 0.40, "recency": 0.25, "usefulness": 0.20, "confidence": 0.10, "frequency": 0.05}
+
+
+async def test_hybrid_search_returns_scored_hits_with_all_components(
+    proxy: RunningProxy, tenants: TenantFactory
+) -> None:
+    t = await tenants.create()
+    async with memory_client(proxy, t) as client:
+        seats = await client.write({"content": "The user prefers window seats on long flights."})
+        await client.write({"content": "Quarterly revenue grew eight percent."})
+        await client.write({"content": "The garden needs watering every second day."})
+        reply = await client.search("the user prefers window seats on long flights")
+        assert reply.status == 200
+        results = reply.body["results"]
+        assert results[0]["memory"]["id"] == seats.body["memory"]["id"]
+        assert results[0]["matched_by"] == "both"
+        for hit in results:
+            components = hit["components"]
+            assert set(components) == set(WEIGHTS)
+            assert math.isclose(hit["score"], sum(WEIGHTS[k] * v for k, v in components.items()), abs_tol=1e-5)
+        assert all(a["score"] >= b["score"] for a, b in itertools.pairwise(results))
+        paraphrase = await client.search("The user prefers window seats on long-haul flights.")
+        assert [h["matched_by"] for h in paraphrase.body["results"]] == ["vector"]
+        assert "revenue" not in str(results)  # below the ANN cutoff and no shared words
+        text_only = await client.search("watering")
+        assert [h["matched_by"] for h in text_only.body["results"]] == ["text"]
+        assert text_only.body["results"][0]["components"]["relevance"] == 0.5
+        # Retrieval bookkeeping is written just after the answer (batched); later reads see it.
+        for _ in range(60):
+            await asyncio.sleep(0.05)
+            again = await client.search("watering")
+            if again.body["results"][0]["components"]["frequency"] > 0:
+                break
+        assert again.body["results"][0]["memory"]["retrieval_count"] >= 1
+
+
+async def test_search_filters_limit_and_validation(proxy: RunningProxy, tenants: TenantFactory) -> None:
+    t = await tenants.create()
+    async with memory_client(proxy, t) as client:
+        items = [
+            {"content": f"Project falcon status note {i}: the build is green.", "confidence": c, "labels": labels}
+            for i, (c, labels) in enumerate([(0.9, ["falcon", "ci"]), (0.4, ["falcon"]), (0.95, ["ci"])])
+        ]
+        reply = await client.batch(items)
+        assert [r["status"] for r in reply.body["results"]] == [201, 201, 201]
+        everything = await client.search("project falcon status build green")
+        assert len(everything.body["results"]) == 3
+        assert len((await client.search("project falcon status build green", limit=2)).body["results"]) == 2
+        confident = await client.search("project falcon status build green", min_confidence=0.8)
+        assert {h["memory"]["confidence"] for h in confident.body["results"]} == {0.9, 0.95}
+        labelled = await client.search("project falcon status build green", labels=["falcon", "ci"])
+        assert [h["memory"]["labels"] for h in labelled.body["results"]] == [["ci", "falcon"]]
+        for bad in ({"query": ""}, {"query": "x", "limit": 51}, {"query": "x", "labels": []},
+                    {"query": "x", "as_of": "2020-01-01T00:00:00Z"}, {"query": "x", "min_confidence": 2}):  # fmt: skip
+            failed = await client.call("POST", "/v1/memories/search", bad)
+            assert failed.status == 400 and failed.error_code() == "VALIDATION_ERROR", bad
+
+
+async def test_reads_are_validity_fenced(proxy: RunningProxy, tenants: TenantFactory) -> None:
+    t = await tenants.create()
+    now = datetime.now(UTC)
+    async with memory_client(proxy, t) as client:
+        expired = await client.write({"content": "The old wifi password rotates monthly.",
+                                      "valid_from": (now - timedelta(days=60)).isoformat(),
+                                      "valid_until": (now - timedelta(days=1)).isoformat()})  # fmt: skip
+        future = await client.write({"content": "The new office opens downtown next year.",
+                                     "valid_from": (now + timedelta(days=300)).isoformat()})  # fmt: skip
+        current = await client.write({"content": "The wifi password is printed at reception."})
+        for reply in (expired, future):
+            assert reply.status == 201
+            assert (await client.get(reply.body["memory"]["id"])).status == 404
+        listed = [m["id"] for m in (await client.list()).body["data"]]
+        assert listed == [current.body["memory"]["id"]]
+        found = await client.search("wifi password")
+        assert [h["memory"]["id"] for h in found.body["results"]] == [current.body["memory"]["id"]]
+        found = await client.search("The new office opens downtown next year.")
+        assert found.body["results"] == []
+
+
+async def test_list_paginates_with_a_cursor(proxy: RunningProxy, tenants: TenantFactory) -> None:
+    t = await tenants.create()
+    async with memory_client(proxy, t) as client:
+        reply = await client.batch([{"content": f"Paginated memory {i} about {chr(97 + i) * 3}."} for i in range(7)])
+        created = {r["memory"]["id"] for r in reply.body["results"]}
+        seen: list[str] = []
+        cursor = None
+        for _ in range(10):
+            page = await client.list("limit=3" + (f"&cursor={cursor}" if cursor else ""))
+            assert page.status == 200
+            seen += [m["id"] for m in page.body["data"]]
+            cursor = page.body["next_cursor"]
+            if cursor is None:
+                break
+        assert len(seen) == 7 and set(seen) == created
+        for bad in ("status=forgotten", "status=quarantined", "limit=0", "limit=1000", "cursor=%%%", "org_id=x"):
+            failed = await client.list(bad)
+            assert failed.status == 400 and failed.error_code() == "VALIDATION_ERROR", bad
+
+
+async def test_feedback_updates_usefulness_laplace_smoothed(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create()
+    async with memory_client(proxy, t) as client:
+        mid = (await client.write({"content": "Feedback target memory."})).body["memory"]["id"]
+        up = await client.feedback(mid, True)
+        assert up.status == 200
+        assert math.isclose(up.body["memory"]["usefulness"], 2 / 3, abs_tol=1e-5)
+        assert up.body["memory"]["revision"] == 2
+        down = await client.call("POST", f"/v1/memories/{mid}/feedback", {"signal": "negative"})
+        assert math.isclose(down.body["memory"]["usefulness"], 2 / 4, abs_tol=1e-5)
+        down = await client.feedback(mid, False)
+        assert math.isclose(down.body["memory"]["usefulness"], 2 / 5, abs_tol=1e-5)
+        bad = await client.call("POST", f"/v1/memories/{mid}/feedback", {"useful": "yes"})
+        assert bad.status == 400
+    async with stores.db.tenant(t.org_id, t.agents["alpha"]) as conn:
+        row = await conn.fetchrow("SELECT positive_feedback, negative_feedback FROM memories")
+    assert (row["positive_feedback"], row["negative_feedback"]) == (1, 2)
