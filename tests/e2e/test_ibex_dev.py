@@ -6,10 +6,12 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,8 +98,16 @@ async def token_is_valid(info: RuntimeInfo, pepper: bytes, token: str) -> bool:
     return row is not None and row["revoked_at"] is None and secret_matches(pepper, secret, bytes(row["secret_hash"]))
 
 
-async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(tmp_path: Path) -> None:
-    data_dir, keys_out = tmp_path / "data", tmp_path / "keys.json"
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """Under /tmp itself, not pytest's private (0700) temp root: as root, Postgres runs as an unprivileged user."""
+    root = Path(tempfile.mkdtemp(prefix="ibex-e2e-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(scratch: Path) -> None:
+    data_dir, keys_out = scratch / "data", scratch / "keys.json"
 
     with ibex_dev(data_dir, keys_out) as dev:
         async with ClientSession() as http:
