@@ -97,3 +97,37 @@ async def test_fuzzed_bodies_and_headers_never_cause_a_server_error(
     await asyncio.to_thread(fuzz_bodies)
     await asyncio.to_thread(fuzz_raw_bytes)
     await asyncio.to_thread(fuzz_headers)
+
+
+memory_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "content": st.text(max_size=50) | json_values,
+        "labels": st.lists(st.text(max_size=8), max_size=7) | json_values,
+        "source": st.sampled_from(["user_provided", "extracted", "imported", "alien"]) | json_values,
+        "confidence": json_values,
+        "valid_from": st.sampled_from(["2024-01-01T00:00:00Z", "yesterday", ""]) | json_values,
+        "valid_until": st.sampled_from(["2023-01-01T00:00:00Z", "2030-01-01T00:00:00+02:00"]) | json_values,
+        "query": st.text(max_size=30) | json_values,
+        "limit": json_values,
+        "items": st.lists(json_values, max_size=3) | json_values,
+    },
+)
+
+
+async def test_fuzzed_memory_requests_never_cause_a_server_error(proxy: RunningProxy, tenants: TenantFactory) -> None:
+    t = await tenants.create()
+    good = {"Authorization": f"Bearer {t.keys['alpha']}", "X-IBEX-Agent-ID": str(t.agents["alpha"]),
+            "Content-Type": "application/json"}  # fmt: skip
+
+    def check_any(status: int, body: bytes, ctype: str) -> None:
+        assert status < 500, (status, body[:300])
+        if status >= 400:
+            assert set(json.loads(body)["error"]) >= {"code", "message", "request_id"}
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(["/memories", "/memories:batch", "/memories/search"]), body=memory_bodies)
+    def fuzz_memory(path: str, body: dict[str, Any]) -> None:
+        check_any(*post(proxy.v1 + path, json.dumps(body).encode(), good))
+
+    await asyncio.to_thread(fuzz_memory)

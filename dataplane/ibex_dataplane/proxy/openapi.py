@@ -89,6 +89,29 @@ def _op(summary: str, *, body: dict[str, Any] | None = None, agent: bool = True,
     return op
 
 
+_MEMORY_WRITE = {
+    "type": "object",
+    "required": ["content"],
+    "properties": {
+        "content": {"type": "string", "minLength": 1},
+        "labels": {"type": "array", "items": {"type": "string"}, "maxItems": 5, "uniqueItems": True},
+        "source": {"type": "string", "enum": ["user_provided", "extracted", "imported"]},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        "valid_from": {"type": "string", "format": "date-time"},
+        "valid_until": {"type": "string", "format": "date-time"},
+        "observed_at": {"type": "string", "format": "date-time"},
+        "session_id": {"type": "string"},
+        "metadata": {"type": "object"},
+    },
+}
+_MEMORY_ID = {"name": "memory_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
+_IDEMPOTENCY = {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"}}
+
+
+def _with(op: dict[str, Any], *params: dict[str, Any]) -> dict[str, Any]:
+    return {**op, "parameters": [*params, *op["parameters"]]}
+
+
 def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
@@ -104,6 +127,51 @@ def openapi_document() -> dict[str, Any]:
                 )
             },
             "/v1/models": {"get": _op("Models the key's organization may use", agent=False)},
+            "/v1/memories": {
+                "post": _with(
+                    _op("Write one memory through the refinery", body=_MEMORY_WRITE, errors=(409, 413, 415)),
+                    _IDEMPOTENCY,
+                ),
+                "get": _op("List the agent's memories (cursor pagination, status filter)"),
+            },
+            "/v1/memories:batch": {
+                "post": _with(
+                    _op(
+                        "Write up to 100 memories",
+                        body={
+                            "type": "object",
+                            "required": ["items"],
+                            "properties": {
+                                "items": {"type": "array", "items": _MEMORY_WRITE, "minItems": 1, "maxItems": 100}
+                            },
+                        },
+                        errors=(409, 413, 415),
+                    ),
+                    _IDEMPOTENCY,
+                )
+            },
+            "/v1/memories/search": {
+                "post": _op(
+                    "Ranked hybrid search",
+                    body={
+                        "type": "object",
+                        "required": ["query"],
+                        "properties": {
+                            "query": {"type": "string"},
+                            "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+                            "min_confidence": {"type": "number"},
+                            "labels": {"type": "array", "items": {"type": "string"}},
+                        },
+                    },
+                )
+            },
+            "/v1/memories/{memory_id}": {
+                "get": _with(_op("One memory"), _MEMORY_ID),
+                "delete": _with(_op("Forget a memory (tombstone)"), _MEMORY_ID),
+            },
+            "/v1/memories/{memory_id}/feedback": {
+                "post": _with(_op("Usefulness feedback", body={"type": "object"}), _MEMORY_ID),
+            },
             "/v1/me": {"get": _op("Who the key is", agent=False)},
             "/v1/usage": {
                 "get": {
@@ -143,5 +211,6 @@ def openapi_document() -> dict[str, Any]:
                 "get": {"summary": "Readiness", "responses": {"200": {"description": "ready"}, **_errors(503)}}
             },
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "metrics"}}}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},
         },
     }
