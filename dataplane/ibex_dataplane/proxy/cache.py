@@ -86,22 +86,22 @@ class TieredCache(Generic[T]):
         except REDIS_DOWN as e:
             raise unavailable(e) from e
         if raw is not None:
-            value = self._decode(raw)
-        else:
-            value = await load()
             try:
-                await self._redis.set(prefix + version.decode(), self._encode(value), ex=self._redis_ttl, nx=True)
-            except REDIS_DOWN as e:
-                raise unavailable(e) from e
+                return self._remember(version_key, epoch, self._decode(raw))
+            except (ValueError, KeyError, TypeError):
+                pass  # written by another version of the codec: reload and overwrite it
+        value = await load()
+        try:
+            await self._redis.set(prefix + version.decode(), self._encode(value), ex=self._redis_ttl)
+        except REDIS_DOWN as e:
+            raise unavailable(e) from e
+        return self._remember(version_key, epoch, value)
+
+    def _remember(self, version_key: str, epoch: tuple[int, int], value: T) -> T:
+        """Keep it locally unless an invalidation arrived while it was being read."""
         if self.local_enabled and epoch == (self._epochs.get(version_key, 0), self._global_epoch):
             self._local[version_key] = _Entry(value, self._clock() + self._local_ttl)
         return value
-
-
-def json_codec(
-    to_json: Callable[[T], object], from_json: Callable[[object], T]
-) -> tuple[Callable[[T], bytes], Callable[[bytes], T]]:
-    return (lambda v: orjson.dumps(to_json(v))), (lambda raw: from_json(orjson.loads(raw)))
 
 
 class InvalidationListener:

@@ -7,7 +7,7 @@ with 503 upstream of here; this module only models and loads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from fnmatch import fnmatchcase
 from typing import Any
@@ -21,19 +21,18 @@ from ibex_dataplane.store.keys import TenantKeys
 
 
 @dataclass(frozen=True)
-class PolicySnapshot:
-    org_id: UUID
-    org_name: str
-    display_name: str
-    suspended: bool
-    rpm: int | None
-    tpm: int | None
-    budget_limit: Decimal | None
-    enforcement: str
-    allow: tuple[str, ...]
-    deny: tuple[str, ...]
-    default_model: str | None
+class PolicySnapshot(OrgRow):
+    """The org's row plus its agents: everything the gates check, cached as one value."""
+
     agents: dict[UUID, AgentPolicy] = field(default_factory=dict)
+
+    @property
+    def org_id(self) -> UUID:
+        return self.id
+
+    @property
+    def org_name(self) -> str:
+        return self.name
 
     def find_agent(self, ident: str) -> AgentPolicy | None:
         """By id, or by name within the org."""
@@ -56,23 +55,16 @@ class PolicySnapshot:
     def resolve_model(self, requested: str | None, agent: AgentPolicy) -> str | None:
         return requested or agent.default_model or self.default_model
 
-    # -- cache codec ---------------------------------------------------------------------------------------------
+    # -- cache codec: plain JSON (money as strings, ids as text) ----------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        def money(v: Decimal | None) -> str | None:
-            return None if v is None else str(v)
+        def plain(row: object) -> dict[str, Any]:
+            out = {}
+            for f in fields(OrgRow if isinstance(row, OrgRow) else AgentPolicy):
+                v = getattr(row, f.name)
+                out[f.name] = str(v) if isinstance(v, UUID | Decimal) else list(v) if isinstance(v, tuple) else v
+            return out
 
-        return {
-            "org_id": str(self.org_id), "org_name": self.org_name, "display_name": self.display_name,
-            "suspended": self.suspended, "rpm": self.rpm, "tpm": self.tpm,
-            "budget_limit": money(self.budget_limit), "enforcement": self.enforcement,
-            "allow": list(self.allow), "deny": list(self.deny), "default_model": self.default_model,
-            "agents": [
-                {"id": str(a.id), "name": a.name, "suspended": a.suspended, "default_model": a.default_model,
-                 "rpm": a.rpm, "tpm": a.tpm, "budget_limit": money(a.budget_limit),
-                 "memory_enabled": a.memory_enabled, "memory_context_tokens": a.memory_context_tokens}
-                for a in self.agents.values()
-            ],
-        }  # fmt: skip
+        return {**plain(self), "agents": [plain(a) for a in self.agents.values()]}
 
     @classmethod
     def from_json(cls, d: Any) -> PolicySnapshot:
@@ -80,31 +72,17 @@ class PolicySnapshot:
             return None if v is None else Decimal(v)
 
         agents = {
-            UUID(a["id"]): AgentPolicy(
-                UUID(a["id"]),
-                a["name"],
-                a["suspended"],
-                a["default_model"],
-                a["rpm"],
-                a["tpm"],
-                money(a["budget_limit"]),
-                a["memory_enabled"],
-                a["memory_context_tokens"],
-            )
+            UUID(a["id"]): AgentPolicy(**{**a, "id": UUID(a["id"]), "budget_limit": money(a["budget_limit"])})
             for a in d["agents"]
         }
-        return cls(
-            UUID(d["org_id"]), d["org_name"], d["display_name"], d["suspended"], d["rpm"], d["tpm"],
-            money(d["budget_limit"]), d["enforcement"], tuple(d["allow"]), tuple(d["deny"]), d["default_model"],
-            agents,
-        )  # fmt: skip
+        org = {f.name: d[f.name] for f in fields(OrgRow)}
+        org.update(id=UUID(d["id"]), budget_limit=money(d["budget_limit"]), allow=tuple(d["allow"]),
+                   deny=tuple(d["deny"]))  # fmt: skip
+        return cls(**org, agents=agents)
 
     @classmethod
     def from_rows(cls, org: OrgRow, agents: list[AgentPolicy]) -> PolicySnapshot:
-        return cls(
-            org.id, org.name, org.display_name, org.suspended, org.rpm, org.tpm, org.budget_limit, org.enforcement,
-            org.allow, org.deny, org.default_model, {a.id: a for a in agents},
-        )  # fmt: skip
+        return cls(**{f.name: getattr(org, f.name) for f in fields(OrgRow)}, agents={a.id: a for a in agents})
 
 
 def encode_policy(p: PolicySnapshot | None) -> bytes:
