@@ -235,6 +235,55 @@ def cmd_proxy(args: argparse.Namespace, settings: Settings) -> int:
         return 1
 
 
+async def _serve_memory(args: argparse.Namespace, settings: Settings) -> int:
+    from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder
+    from ibex_dataplane.pii.redactor import PiiRedactor
+
+    if settings.internal_secret is None:
+        print("ibex memory: IBEX_INTERNAL_SECRET is required (the proxy signs principals with it)", file=sys.stderr)
+        return 2
+    urls = StoreUrls.from_settings(settings)
+    stores = await Stores.open(urls, settings)
+    runner: web.AppRunner | None = None
+    embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages)
+    redactor = await asyncio.to_thread(
+        PiiRedactor, threshold=settings.pii_threshold, enable_ner=settings.pii_enable_ner
+    )
+    try:
+        app = create_memory_app(
+            settings, stores, embedder=embedder, redactor=redactor,
+            secret=settings.internal_secret.get_secret_value().encode(),
+        )  # fmt: skip
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, args.host or settings.memory_host, args.port).start()
+        port = runner.addresses[0][1] if runner.addresses else args.port
+        print(f"ibex memory ready: http://{args.host or settings.memory_host}:{port}", flush=True)
+        await _wait_for_signal()
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        redactor.close()
+        embedder.close()
+        await stores.close()
+
+
+def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
+    """The memory stage alone (reachable only with principals signed with IBEX_INTERNAL_SECRET)."""
+    if args.data_dir:
+        settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
+    if args.port is None:
+        args.port = settings.memory_port
+    try:
+        import uvloop
+
+        return uvloop.run(_serve_memory(args, settings))
+    except (StoreError, EmbeddedStoreError) as e:
+        print(f"ibex memory: {e}", file=sys.stderr)
+        return 1
+
+
 async def _issue_key(args: argparse.Namespace, settings: Settings) -> int:
     from ibex_operator.models import ApiKeySpec
     from ibex_operator.reconcile import Reconciler
@@ -351,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=int, default=None, help="port, 0 for a free one (IBEX_PORT)")
     proxy.set_defaults(func=cmd_proxy)
 
+    memory = sub.add_parser("memory", help="run the memory stage against configured (or `ibex dev`'s) stores")
+    memory.add_argument("--data-dir", default=None, help="attach to the stores of `ibex dev` running on this data dir")
+    memory.add_argument("--host", default=None, help="listen address (IBEX_MEMORY_HOST)")
+    memory.add_argument("--port", type=int, default=None, help="port, 0 for a free one (IBEX_MEMORY_PORT)")
+    memory.set_defaults(func=cmd_memory)
+
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     issue = keys.add_parser("issue", help="issue a key for agents of an organization (local stores)")
     issue.add_argument("--org", required=True, help="Organization name")
@@ -392,10 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"ibex: invalid configuration: {e}", file=sys.stderr)
         return 2
-    if getattr(args, "host", None) is None and hasattr(args, "host"):
-        args.host = settings.host
-    if getattr(args, "port", None) is None and hasattr(args, "port"):
-        args.port = settings.port
+    if args.command in ("dev", "proxy"):  # the proxy's listener; other stages default to their own settings
+        args.host = settings.host if args.host is None else args.host
+        args.port = settings.port if args.port is None else args.port
     _configure_logging(settings)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result: int = args.func(args, settings)

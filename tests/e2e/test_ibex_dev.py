@@ -187,3 +187,53 @@ def test_ibex_cli_documents_the_dev_flags(flag: str) -> None:
     done = subprocess.run([*IBEX, "dev", flag], capture_output=True, text=True, timeout=60)
     for option in ("--manifests", "--data-dir", "--host", "--port", "--keys-out"):
         assert option in done.stdout
+
+
+@contextmanager
+def stage(command: str, data_dir: Path, env: dict[str, str]) -> Iterator[str]:
+    """Run `ibex <command>` attached to `ibex dev`'s stores; yields its URL, stops it cleanly (exit code 0)."""
+    proc = subprocess.Popen(
+        [*IBEX, command, "--data-dir", str(data_dir), "--port", "0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        seen = []
+        deadline = time.monotonic() + 90
+        url = ""
+        while time.monotonic() < deadline and not url:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(rf"ibex {command} ready: (http://\S+)", line)
+            url = m.group(1) if m else ""
+        assert url, f"ibex {command} did not become ready:\n" + "".join(seen)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            proc.stdout.close()
+        assert code == 0, f"ibex {command} exited with {code}"
+
+
+async def test_stages_run_as_separate_processes_over_ibex_devs_stores(scratch: Path) -> None:
+    """`ibex memory` and `ibex proxy` alone (as the chart's containers run them), wired by URL and shared secret."""
+    data_dir = scratch / "data"
+    env = {**os.environ, "IBEX_INTERNAL_SECRET": "s" * 32, "IBEX_LOG_LEVEL": "WARNING"}
+    with ibex_dev(data_dir, scratch / "keys.json"):
+        token = json.loads((scratch / "keys.json").read_text())["tenants/support-bot-key"]
+        headers = {"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": "support-bot"}
+        with (
+            stage("memory", data_dir, env) as memory_url,
+            stage("proxy", data_dir, {**env, "IBEX_MEMORY_URL": memory_url}) as proxy_url,
+        ):
+            async with ClientSession() as http:
+                body = {"content": "The customer prefers e-mail over phone calls."}
+                async with http.post(proxy_url + "/v1/memories", json=body, headers=headers) as r:
+                    assert r.status == 201, await r.text()
+                    created = (await r.json())["memory"]["id"]
+                async with http.get(proxy_url + f"/v1/memories/{created}", headers=headers) as r:
+                    assert r.status == 200, await r.text()
