@@ -197,3 +197,13 @@ async def test_revoked_key_fails_on_another_replica_within_a_second(
 async def test_public_endpoints_answer(proxy: RunningProxy, path: str) -> None:
     async with ClientSession() as http, http.get(proxy.base_url + path) as r:
         assert r.status == 200
+
+
+async def test_memory_routes_are_rate_limited_too(proxy: RunningProxy, tenants: TenantFactory) -> None:
+    t = await tenants.create(agent_spec={"limits": {"requestsPerMinute": 2}})
+    key, agent = t.keys["alpha"], str(t.agents["alpha"])
+    statuses = [(await call(proxy, token=key, agent=agent, path="/v1/memories", method="GET"))[0] for _ in range(2)]
+    assert statuses == [200, 200]
+    assert_error(await call(proxy, token=key, agent=agent, path="/v1/memories", method="GET"), 429, "RATE_LIMITED")
+    # chat shares the same per-minute budget of requests
+    assert_error(await call(proxy, token=key, agent=agent), 429, "RATE_LIMITED")

@@ -43,6 +43,7 @@ from ibex_dataplane.proxy.gates import (
     bind_agent,
     body_limit,
     json_content_type,
+    request_rate_limit,
     tenant_status,
 )
 from ibex_dataplane.proxy.health import HealthChecks
@@ -129,6 +130,7 @@ def create_app(
     )
     background = BackgroundTasks(metrics)
     budgets = BudgetService(stores.db)
+    rate_limiter = RateLimiter(stores.redis)
     analytics = AnalyticsRecorder(stores.clickhouse, metrics.registry, flush_interval=settings.analytics_flush_seconds)
 
     keyed = [
@@ -142,7 +144,7 @@ def create_app(
         session = aiohttp.ClientSession()
         registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
         services = ChatServices(
-            catalog=catalog, providers=registry, rate_limiter=RateLimiter(stores.redis), budgets=budgets,
+            catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets,
             directives=directives, sessions=sessions, metrics=metrics, background=background, analytics=analytics,
             idempotency=IdempotencyLedger(stores.db),
         )  # fmt: skip
@@ -203,7 +205,7 @@ def create_app(
         principal_signer = PrincipalSigner(settings.internal_secret.get_secret_value().encode())
     add_memory_routes(
         app,
-        bound=GatePipeline(bound, metrics),
+        bound=GatePipeline([*bound, ("rate_limit", request_rate_limit(rate_limiter))], metrics),
         memory_url=memory_url or settings.memory_url,
         signer=principal_signer,
         timeout=settings.memory_timeout_seconds,

@@ -25,6 +25,7 @@ from ibex_dataplane.proxy.auth import Caller, KeyValidator, require_scope
 from ibex_dataplane.proxy.errors import ApiError
 from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.policy import PolicyService, PolicySnapshot
+from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
 from ibex_dataplane.proxy.repository import AgentPolicy
 from ibex_dataplane.store.errors import StoreUnavailable
 
@@ -184,6 +185,20 @@ async def tenant_status(state: GateState) -> None:
         raise ApiError(403, "ORG_SUSPENDED", "the organization is suspended")
     if agent.suspended:
         raise ApiError(403, "AGENT_SUSPENDED", "the agent is suspended")
+
+
+def request_rate_limit(limiter: RateLimiter) -> Gate:
+    """Requests-per-minute tiers (agent and org) for routes that spend no model tokens, e.g. the memory routes."""
+
+    async def gate(state: GateState) -> None:
+        policy, agent = state.require_agent()
+        limits = RateLimits(agent_rpm=agent.rpm, agent_tpm=None, org_rpm=policy.rpm, org_tpm=None)
+        decision = await limiter.admit(policy.org_id, agent.id, limits, 0)
+        state.response_headers.update(decision.headers())
+        if not decision.allowed:
+            raise ApiError(429, "RATE_LIMITED", "rate limit exceeded", headers=decision.headers())
+
+    return gate
 
 
 def session_id_of(request: web.Request) -> str:
