@@ -18,9 +18,10 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from aiohttp import web
 
@@ -196,6 +197,37 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
+async def _serve_app(app: web.Application, host: str, port: int, name: str) -> None:
+    """Listen until SIGINT/SIGTERM, after printing the `ready` line with the bound URL."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        print(f"ibex {name} ready: http://{host}:{bound}", flush=True)
+        await _wait_for_signal()
+    finally:
+        await runner.cleanup()
+
+
+def _run_stage(
+    name: str,
+    args: argparse.Namespace,
+    settings: Settings,
+    serve: Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]],
+) -> int:
+    """One data-plane stage as its own process, on `IBEX_*` stores or those of `ibex dev --data-dir`."""
+    if args.data_dir:
+        settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
+    try:
+        import uvloop
+
+        return uvloop.run(serve(args, settings))
+    except (StoreError, EmbeddedStoreError) as e:
+        print(f"ibex {name}: {e}", file=sys.stderr)
+        return 1
+
+
 async def _serve_proxy(args: argparse.Namespace, settings: Settings) -> int:
     urls = StoreUrls.from_settings(settings)
     if settings.key_pepper:
@@ -207,32 +239,16 @@ async def _serve_proxy(args: argparse.Namespace, settings: Settings) -> int:
             return 2
         pepper = load_or_create_secret(pepper_file)
     stores = await Stores.open(urls, settings)
-    runner: web.AppRunner | None = None
     try:
-        runner = web.AppRunner(create_app(settings, stores, pepper=pepper), access_log=None, handle_signals=False)
-        await runner.setup()
-        await web.TCPSite(runner, args.host, args.port).start()
-        port = runner.addresses[0][1] if runner.addresses else args.port
-        print(f"ibex proxy ready: http://{args.host}:{port}", flush=True)
-        await _wait_for_signal()
+        await _serve_app(create_app(settings, stores, pepper=pepper), args.host, args.port, "proxy")
         return 0
     finally:
-        if runner is not None:
-            await runner.cleanup()
         await stores.close()
 
 
 def cmd_proxy(args: argparse.Namespace, settings: Settings) -> int:
-    """The proxy stage alone, against the stores in IBEX_* settings or those of a running `ibex dev`."""
-    if args.data_dir:
-        settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
-    try:
-        import uvloop
-
-        return uvloop.run(_serve_proxy(args, settings))
-    except (StoreError, EmbeddedStoreError) as e:
-        print(f"ibex proxy: {e}", file=sys.stderr)
-        return 1
+    """The proxy stage alone."""
+    return _run_stage("proxy", args, settings, _serve_proxy)
 
 
 async def _serve_memory(args: argparse.Namespace, settings: Settings) -> int:
@@ -242,28 +258,18 @@ async def _serve_memory(args: argparse.Namespace, settings: Settings) -> int:
     if settings.internal_secret is None:
         print("ibex memory: IBEX_INTERNAL_SECRET is required (the proxy signs principals with it)", file=sys.stderr)
         return 2
-    urls = StoreUrls.from_settings(settings)
-    stores = await Stores.open(urls, settings)
-    runner: web.AppRunner | None = None
+    secret = settings.internal_secret.get_secret_value().encode()
+    stores = await Stores.open(StoreUrls.from_settings(settings), settings)
     embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages)
     redactor = await asyncio.to_thread(
         PiiRedactor, threshold=settings.pii_threshold, enable_ner=settings.pii_enable_ner
     )
     try:
-        app = create_memory_app(
-            settings, stores, embedder=embedder, redactor=redactor,
-            secret=settings.internal_secret.get_secret_value().encode(),
-        )  # fmt: skip
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        await web.TCPSite(runner, args.host or settings.memory_host, args.port).start()
-        port = runner.addresses[0][1] if runner.addresses else args.port
-        print(f"ibex memory ready: http://{args.host or settings.memory_host}:{port}", flush=True)
-        await _wait_for_signal()
+        app = create_memory_app(settings, stores, embedder=embedder, redactor=redactor, secret=secret)
+        port = settings.memory_port if args.port is None else args.port
+        await _serve_app(app, args.host or settings.memory_host, port, "memory")
         return 0
     finally:
-        if runner is not None:
-            await runner.cleanup()
         redactor.close()
         embedder.close()
         await stores.close()
@@ -271,17 +277,7 @@ async def _serve_memory(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     """The memory stage alone (reachable only with principals signed with IBEX_INTERNAL_SECRET)."""
-    if args.data_dir:
-        settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
-    if args.port is None:
-        args.port = settings.memory_port
-    try:
-        import uvloop
-
-        return uvloop.run(_serve_memory(args, settings))
-    except (StoreError, EmbeddedStoreError) as e:
-        print(f"ibex memory: {e}", file=sys.stderr)
-        return 1
+    return _run_stage("memory", args, settings, _serve_memory)
 
 
 async def _issue_key(args: argparse.Namespace, settings: Settings) -> int:
