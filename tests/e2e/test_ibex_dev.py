@@ -5,17 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
@@ -25,53 +20,16 @@ from openai import OpenAI
 
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.security.apikeys import parse_token, secret_matches
-
-REPO = Path(__file__).resolve().parents[2]
-IBEX = [sys.executable, "-m", "ibex_dataplane.cli"]
-
-
-@dataclass
-class DevProcess:
-    proc: subprocess.Popen[str]
-    base_url: str
-    output: list[str]
+from tests.support.processes import IBEX, REPO, IbexProcess, ibex_process
 
 
 @contextmanager
-def ibex_dev(data_dir: Path, keys_out: Path, manifests: Path | None = None) -> Iterator[DevProcess]:
-    args = [*IBEX, "dev", "--data-dir", str(data_dir), "--port", "0", "--keys-out", str(keys_out)]
+def ibex_dev(data_dir: Path, keys_out: Path, manifests: Path | None = None) -> Iterator[IbexProcess]:
+    args = ["dev", "--data-dir", str(data_dir), "--port", "0", "--keys-out", str(keys_out)]
     if manifests is not None:
         args += ["--manifests", str(manifests)]
-    proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ}
-    )
-    output: list[str] = []
-    try:
-        deadline = time.monotonic() + 90
-        base_url = ""
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            output.append(line)
-            m = re.search(r"ready.*(http://\S+)", line)
-            if m:
-                base_url = m.group(1)
-                break
-        assert base_url, "ibex dev never printed its ready line:\n" + "".join(output)
-        yield DevProcess(proc, base_url, output)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdout is not None:
-            output.extend(proc.stdout.readlines())
-            proc.stdout.close()
+    with ibex_process(args, {**os.environ}) as dev:
+        yield dev
 
 
 def port_open(port: int) -> bool:
@@ -111,10 +69,10 @@ async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(scra
 
     with ibex_dev(data_dir, keys_out) as dev:
         async with ClientSession() as http:
-            async with http.get(dev.base_url + "/readyz") as r:
+            async with http.get(dev.url + "/readyz") as r:
                 assert r.status == 200
                 body = await r.json()
-            async with http.get(dev.base_url + "/healthz") as r:
+            async with http.get(dev.url + "/healthz") as r:
                 assert r.status == 200
         assert body["checks"] == {"postgres": "ok", "redis": "ok", "clickhouse": "ok"}
         first_keys = json.loads(keys_out.read_text())
@@ -127,7 +85,7 @@ async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(scra
 
         # The main job serves chats as a user drives it: the official SDK, a printed key, the echo model.
         def chat_as(token: str) -> list[dict[str, str]]:
-            with OpenAI(base_url=dev.base_url + "/v1", api_key=token, max_retries=0,
+            with OpenAI(base_url=dev.url + "/v1", api_key=token, max_retries=0,
                         default_headers={"X-IBEX-Agent-ID": "support-bot"}) as ai:  # fmt: skip
                 reply = ai.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hello"}])
             seen: list[dict[str, str]] = json.loads(reply.choices[0].message.content or "")
@@ -191,32 +149,10 @@ def test_ibex_cli_documents_the_dev_flags(flag: str) -> None:
 
 @contextmanager
 def stage(command: str, data_dir: Path, env: dict[str, str]) -> Iterator[str]:
-    """Run `ibex <command>` attached to `ibex dev`'s stores; yields its URL, stops it cleanly (exit code 0)."""
-    proc = subprocess.Popen(
-        [*IBEX, command, "--data-dir", str(data_dir), "--port", "0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    try:
-        seen = []
-        deadline = time.monotonic() + 90
-        url = ""
-        while time.monotonic() < deadline and not url:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            m = re.search(rf"ibex {command} ready: (http://\S+)", line)
-            url = m.group(1) if m else ""
-        assert url, f"ibex {command} did not become ready:\n" + "".join(seen)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        finally:
-            proc.stdout.close()
-        assert code == 0, f"ibex {command} exited with {code}"
+    """Run `ibex <command>` attached to `ibex dev`'s stores; yields its URL and checks it stops cleanly."""
+    with ibex_process([command, "--data-dir", str(data_dir), "--port", "0"], env) as running:
+        yield running.url
+    assert running.proc.returncode == 0, f"ibex {command} exited with {running.proc.returncode}"
 
 
 async def test_stages_run_as_separate_processes_over_ibex_devs_stores(scratch: Path) -> None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 from aiohttp import ClientSession, ClientTimeout
 
@@ -87,25 +88,15 @@ async def wait_for_200(world: World, within: float = 15.0) -> None:
         await asyncio.sleep(0.2)
 
 
-async def test_redis_outage_fails_closed_and_recovers(world: World) -> None:
+@pytest.mark.parametrize("store", ["valkey", "postgres"])
+async def test_a_store_outage_fails_closed_and_recovers(world: World, store: str) -> None:
+    server = getattr(world.runtime, store)
     assert (await chat(world))[0] == 200
-    port = world.runtime.valkey.port
-    await asyncio.to_thread(world.runtime.valkey.stop)
+    port = server.port
+    await asyncio.to_thread(server.stop)
     for _ in range(3):
         status, code, elapsed = await chat(world)
         assert (status, code) == (503, "SERVICE_DEGRADED")
         assert elapsed < 5
-    await asyncio.to_thread(world.runtime.valkey.start, port)
-    await wait_for_200(world)
-
-
-async def test_postgres_outage_fails_closed_and_recovers(world: World) -> None:
-    assert (await chat(world))[0] == 200
-    port = world.runtime.postgres.port
-    await asyncio.to_thread(world.runtime.postgres.stop)
-    for _ in range(3):
-        status, code, elapsed = await chat(world)
-        assert (status, code) == (503, "SERVICE_DEGRADED")
-        assert elapsed < 5
-    await asyncio.to_thread(world.runtime.postgres.start, port)
+    await asyncio.to_thread(server.start, port)
     await wait_for_200(world)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
-import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -20,39 +17,15 @@ from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.stores import Stores
 from ibex_operator.models import ApiKeySpec
 from ibex_operator.reconcile import Reconciler
+from tests.support.processes import ibex_process
 from tests.support.tenants import NAMESPACE, TenantFactory
 
 
 @contextmanager
 def proxy_process(embedded: EmbeddedRuntime, pepper: bytes) -> Iterator[tuple[subprocess.Popen[str], str]]:
     env = {**os.environ, "IBEX_KEY_PEPPER": pepper.decode(), "IBEX_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ibex_dataplane.cli", "proxy", "--data-dir", str(embedded.data_dir), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        lines = []
-        deadline = time.monotonic() + 60
-        url = ""
-        while time.monotonic() < deadline and not url:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"ready: (http://\S+)", line)
-            url = m.group(1) if m else ""
-        assert url, "proxy process did not start:\n" + "".join(lines)
-        yield proc, url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with ibex_process(["proxy", "--data-dir", str(embedded.data_dir), "--port", "0"], env) as running:
+        yield running.proc, running.url
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -1,0 +1,56 @@
+"""Run an `ibex` command as a real process: wait for its `ready` line, stop it with SIGTERM, close its pipes."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+IBEX = [sys.executable, "-m", "ibex_dataplane.cli"]
+
+
+@dataclass
+class IbexProcess:
+    proc: subprocess.Popen[str]
+    url: str
+    output: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def ibex_process(
+    args: list[str], env: dict[str, str], ready: str = r"ready.*?(http://\S+)", timeout: float = 90
+) -> Iterator[IbexProcess]:
+    """`ibex <args>`; yields once a line matches ``ready`` (group 1 is the URL). Output is kept in ``output``."""
+    proc = subprocess.Popen(
+        [*IBEX, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    assert proc.stdout is not None
+    running = IbexProcess(proc, "")
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not running.url:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            running.output.append(line)
+            m = re.search(ready, line)
+            running.url = m.group(1) if m else ""
+        assert running.url, f"ibex {args[0]} never printed its ready line:\n" + "".join(running.output)
+        yield running
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        running.output.extend(proc.stdout.readlines())
+        proc.stdout.close()
