@@ -11,11 +11,11 @@ import orjson
 import pytest_asyncio
 from aiohttp import ClientSession
 
-from ibex_dataplane.memory.idempotency import Claim, IdempotencyLedger, StoredResponse, fingerprint
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.stores import Stores
-from ibex_dataplane.security.principal import HEADER, Principal
+from ibex_dataplane.security.principal import HEADER, Principal, http_target
 from ibex_dataplane.settings import Settings
+from ibex_dataplane.shared.idempotency import Claim, IdempotencyLedger, StoredResponse, fingerprint
 from ibex_dataplane.store.postgres import Database, create_pool
 from tests.support.memory import memory_client
 from tests.support.proxy import MemoryDeps, RunningProxy, RunningStage, running_memory_stage
@@ -37,7 +37,14 @@ async def count(stores: Stores, t: Tenant, sql: str) -> int:
 
 
 async def post_direct(stage: RunningStage, t: Tenant, body: Any, key: str) -> tuple[int, dict[str, Any]]:
-    principal = Principal(t.org_id, t.agents["alpha"], frozenset({"memory:write"}), "req-direct", time.time() + 30)
+    principal = Principal(
+        t.org_id,
+        t.agents["alpha"],
+        frozenset({"memory:write"}),
+        "req-direct",
+        time.time() + 30,
+        http_target("POST", "/v1/memories"),
+    )
     headers = {HEADER: stage.signer.sign(principal), "Idempotency-Key": key}
     async with ClientSession() as http, http.post(stage.base_url + "/v1/memories", json=body, headers=headers) as r:
         return r.status, await r.json()

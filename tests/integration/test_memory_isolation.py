@@ -8,7 +8,7 @@ import uuid
 from aiohttp import ClientSession
 
 from ibex_dataplane.runtime.stores import Stores
-from ibex_dataplane.security.principal import HEADER, Principal, PrincipalSigner
+from ibex_dataplane.security.principal import HEADER, Principal, PrincipalSigner, http_target
 from tests.support.memory import MemoryClient, memory_client
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import TenantFactory
@@ -93,8 +93,14 @@ async def test_the_memory_stage_refuses_missing_forged_and_expired_principals(
     t = await tenants.create()
     assert proxy.memory is not None
     stage = proxy.memory
-    good = Principal(t.org_id, t.agents["alpha"], frozenset({"memory:read"}), "r", time.time() + 30)
-    expired = Principal(t.org_id, t.agents["alpha"], frozenset({"memory:read"}), "r", time.time() - 1)
+    listing = http_target("GET", "/v1/memories")
+    good = Principal(t.org_id, t.agents["alpha"], frozenset({"memory:read"}), "r", time.time() + 30, listing)
+    expired = Principal(t.org_id, t.agents["alpha"], frozenset({"memory:read"}), "r", time.time() - 1, listing)
+    # Signed properly, but for another call: replaying it against this route is refused.
+    elsewhere = Principal(
+        t.org_id, t.agents["alpha"], frozenset({"memory:read"}), "r", time.time() + 30,
+        http_target("POST", "/v1/memories/search"),
+    )  # fmt: skip
     forged = PrincipalSigner(b"not-the-real-secret-at-all").sign(good)
     tampered = stage.signer.sign(good)[:-3] + "AAA"
     async with ClientSession() as http:
@@ -104,16 +110,24 @@ async def test_the_memory_stage_refuses_missing_forged_and_expired_principals(
             (tampered, "INVALID_TOKEN"),
             (stage.signer.sign(expired), "INVALID_TOKEN"),
             ("garbage", "INVALID_TOKEN"),
+            (stage.signer.sign(elsewhere), "INVALID_TOKEN"),
         ):
             headers = {HEADER: token} if token else {}
-            for path in ("/v1/memories", "/v1/does-not-exist"):
+            for path in ("/v1/memories",):
                 async with http.get(stage.base_url + path, headers=headers) as r:
                     body = await r.json()
                     assert (r.status, body["error"]["code"]) == (401, code), (token, path)
         async with http.get(stage.base_url + "/v1/memories", headers={HEADER: stage.signer.sign(good)}) as r:
             assert r.status == 200
+        for token in (None, stage.signer.sign(good)):  # an unknown route reveals nothing either way
+            async with http.get(stage.base_url + "/v1/does-not-exist", headers={HEADER: token} if token else {}) as r:
+                assert r.status == 401
         # A principal without the write scope cannot write, whatever the body says.
-        headers = {HEADER: stage.signer.sign(good)}
+        writing = Principal(
+            t.org_id, t.agents["alpha"], frozenset({"memory:read"}), "r", time.time() + 30,
+            http_target("POST", "/v1/memories"),
+        )  # fmt: skip
+        headers = {HEADER: stage.signer.sign(writing)}
         async with http.post(stage.base_url + "/v1/memories", json={"content": "x"}, headers=headers) as r:
             assert r.status == 403
 

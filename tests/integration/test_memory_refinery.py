@@ -15,7 +15,7 @@ from ibex_dataplane.embedding import EmbeddingError, Embeddings
 from ibex_dataplane.memory.app import METRICS, OUTBOX, SERVICE
 from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.runtime.stores import Stores
-from ibex_dataplane.security.principal import HEADER, Principal
+from ibex_dataplane.security.principal import HEADER, Principal, http_target
 from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.keys import TenantKeys
 from tests.support.memory import memory_client
@@ -133,7 +133,9 @@ async def test_disjoint_validity_supersedes_by_interval_without_the_classifier(
     # Straight to a memory stage with this classifier, signing principals as the proxy would.
     async with running_memory_stage(settings, stores, memory_deps, classifier=RecordingClassifier()) as stage:
         scopes = frozenset({"memory:write", "memory:read"})
-        principal = Principal(t.org_id, t.agents["alpha"], scopes, "r1", time.time() + 30)
+        principal = Principal(
+            t.org_id, t.agents["alpha"], scopes, "r1", time.time() + 30, http_target("POST", "/v1/memories")
+        )
         headers = {HEADER: stage.signer.sign(principal)}
         async with ClientSession() as http:
 

@@ -18,9 +18,8 @@ from ibex_dataplane.embedding import Embedder
 from ibex_dataplane.memory.classifier import ConflictClassifier, DeterministicClassifier
 from ibex_dataplane.memory.handlers import MemoryHandlers, timed
 from ibex_dataplane.memory.hotcache import HotCache
-from ibex_dataplane.memory.idempotency import IdempotencyLedger
 from ibex_dataplane.memory.metrics import MemoryMetrics
-from ibex_dataplane.memory.middleware import envelope_middleware, principal_middleware
+from ibex_dataplane.memory.middleware import principal_middleware
 from ibex_dataplane.memory.outbox import OutboxWorker
 from ibex_dataplane.memory.refinery import (
     AfterCommit,
@@ -40,6 +39,8 @@ from ibex_dataplane.memory.service import BackgroundWork, MemoryService
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
+from ibex_dataplane.shared.http import envelope_middleware
+from ibex_dataplane.shared.idempotency import IdempotencyLedger
 from ibex_dataplane.store.redis import ping as redis_ping
 
 SERVICE = web.AppKey("memory_service", MemoryService)

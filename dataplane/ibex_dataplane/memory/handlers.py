@@ -16,13 +16,22 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ibex_dataplane.memory.errors import (
+from ibex_dataplane.memory.metrics import MemoryMetrics
+from ibex_dataplane.memory.middleware import principal_of
+from ibex_dataplane.memory.models import Tenant
+from ibex_dataplane.memory.refinery import WriteResult
+from ibex_dataplane.memory.service import MemoryService
+from ibex_dataplane.memory.validation import parse_batch, parse_list, parse_memory_id, parse_search
+from ibex_dataplane.security.principal import Principal
+from ibex_dataplane.shared.errors import (
     DeadlineExceeded,
     Forbidden,
     InvalidJson,
-    MemoryServiceError,
+    ServiceError,
+    error_body,
 )
-from ibex_dataplane.memory.idempotency import (
+from ibex_dataplane.shared.http import request_id_of
+from ibex_dataplane.shared.idempotency import (
     REPLAYED_HEADER,
     Claim,
     IdempotencyLedger,
@@ -30,13 +39,6 @@ from ibex_dataplane.memory.idempotency import (
     fingerprint,
     idempotency_key_of,
 )
-from ibex_dataplane.memory.metrics import MemoryMetrics
-from ibex_dataplane.memory.middleware import error_body, principal_of, request_id_of
-from ibex_dataplane.memory.models import Tenant
-from ibex_dataplane.memory.refinery import WriteResult
-from ibex_dataplane.memory.service import MemoryService
-from ibex_dataplane.memory.validation import parse_batch, parse_list, parse_memory_id, parse_search
-from ibex_dataplane.security.principal import Principal
 
 READ, WRITE, DELETE, INTERNAL = "memory:read", "memory:write", "memory:delete", "memory:internal"
 
@@ -119,7 +121,7 @@ class MemoryHandlers:
     ) -> web.Response:
         try:
             response = await run()
-        except MemoryServiceError as e:
+        except ServiceError as e:
             if e.status >= 500:
                 await self._ledger.abandon(claim)
                 raise
@@ -223,7 +225,7 @@ def timed(metrics: MemoryMetrics, route: str, handler: Callable[[web.Request], A
             response = await handler(request)
             status = response.status
             return response
-        except MemoryServiceError as e:
+        except ServiceError as e:
             status = e.status
             raise
         finally:

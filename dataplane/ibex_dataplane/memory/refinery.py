@@ -35,13 +35,6 @@ import numpy as np
 
 from ibex_dataplane.embedding import Embedder, EmbeddingError
 from ibex_dataplane.memory.classifier import ConflictClassifier, ConflictQuestion, Verdict
-from ibex_dataplane.memory.errors import (
-    DeadlineExceeded,
-    Degraded,
-    MemoryServiceError,
-    Unprocessable,
-    ValidationFailed,
-)
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import (
     Memory,
@@ -57,6 +50,13 @@ from ibex_dataplane.memory.outbox import OutboxWorker
 from ibex_dataplane.memory.repository import HOT_SYNC, MemoryRepository
 from ibex_dataplane.memory.validation import MAX_CONTENT_BYTES, parse_write
 from ibex_dataplane.pii import PiiError
+from ibex_dataplane.shared.errors import (
+    DeadlineExceeded,
+    Degraded,
+    ServiceError,
+    Unprocessable,
+    ValidationFailed,
+)
 from ibex_dataplane.store.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class WriteResult:
     outcome: WriteOutcome
     memory: Memory | None = None
     relationships: tuple[Relationship, ...] = ()
-    error: MemoryServiceError | None = None
+    error: ServiceError | None = None
 
     @property
     def status(self) -> int:
@@ -127,7 +127,7 @@ class Candidate:
     def settle(self, result: WriteResult) -> None:
         self.result = result
 
-    def fail(self, error: MemoryServiceError) -> None:
+    def fail(self, error: ServiceError) -> None:
         self.result = WriteResult(WriteOutcome.REJECTED, error=error)
 
 

@@ -20,13 +20,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ibex_dataplane.embedding import Embedder, EmbeddingError
-from ibex_dataplane.memory.errors import Degraded
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.memory.refinery import Redactor
 from ibex_dataplane.memory.repository import MemoryRepository
 from ibex_dataplane.memory.validation import SearchQuery
 from ibex_dataplane.pii import PiiError
+from ibex_dataplane.shared.errors import Degraded
 
 
 @dataclass(frozen=True, slots=True)

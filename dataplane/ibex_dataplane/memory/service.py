@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from ibex_dataplane.memory.errors import NotFound
 from ibex_dataplane.memory.hotcache import HotCache
 from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.memory.outbox import OutboxWorker
@@ -25,6 +24,7 @@ from ibex_dataplane.memory.refinery import Refinery, StageReport, WriteResult
 from ibex_dataplane.memory.repository import MemoryRepository
 from ibex_dataplane.memory.search import MemorySearch, SearchHit
 from ibex_dataplane.memory.validation import ListCursor, ListQuery, SearchQuery, parse_feedback
+from ibex_dataplane.shared.errors import NotFound
 from ibex_dataplane.store.errors import StoreError
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from uuid import UUID
 
 import orjson
 
-from ibex_dataplane.memory.errors import ValidationFailed
 from ibex_dataplane.memory.models import MemoryDraft, MemorySource, MemoryStatus
+from ibex_dataplane.shared.errors import ValidationFailed
 
 MAX_CONTENT_BYTES = 10_000
 MAX_LABELS = 5

@@ -18,7 +18,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ibex_dataplane.memory.idempotency import IdempotencyLedger
 from ibex_dataplane.providers.catalog import CatalogConfigError, ModelCatalog
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
@@ -49,7 +48,6 @@ from ibex_dataplane.proxy.gates import (
 from ibex_dataplane.proxy.health import HealthChecks
 from ibex_dataplane.proxy.memory_routes import add_memory_routes
 from ibex_dataplane.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from ibex_dataplane.proxy.middleware import envelope_middleware
 from ibex_dataplane.proxy.openapi import openapi_document
 from ibex_dataplane.proxy.policy import PolicyService, decode_policy, encode_policy
 from ibex_dataplane.proxy.ratelimit import RateLimiter
@@ -59,6 +57,8 @@ from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
+from ibex_dataplane.shared.http import envelope_middleware
+from ibex_dataplane.shared.idempotency import IdempotencyLedger
 from ibex_dataplane.store.keys import GlobalKeys
 from ibex_dataplane.store.redis import ping as redis_ping
 

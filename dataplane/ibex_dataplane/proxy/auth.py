@@ -14,9 +14,9 @@ from uuid import UUID
 import orjson
 
 from ibex_dataplane.proxy.cache import TieredCache
-from ibex_dataplane.proxy.errors import ApiError
 from ibex_dataplane.proxy.repository import KeyRecord, ProxyRepository
 from ibex_dataplane.security.apikeys import MalformedKey, parse_token, secret_matches
+from ibex_dataplane.shared.errors import ApiError
 from ibex_dataplane.store.keys import GlobalKeys
 
 

@@ -21,15 +21,6 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ibex_dataplane.memory.errors import MemoryServiceError
-from ibex_dataplane.memory.idempotency import (
-    REPLAYED_HEADER,
-    Claim,
-    IdempotencyLedger,
-    StoredResponse,
-    fingerprint,
-    idempotency_key_of,
-)
 from ibex_dataplane.providers.base import ChatRequest, StreamChunk, StreamDone, Usage
 from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo
 from ibex_dataplane.providers.errors import ProviderError, UpstreamRejected
@@ -38,13 +29,21 @@ from ibex_dataplane.providers.tokens import estimate_chat_tokens
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder, Trace
 from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetHold, BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.proxy.directives import DirectiveService, inject_directive
-from ibex_dataplane.proxy.errors import ApiError, error_response
 from ibex_dataplane.proxy.gates import GatePipeline, GateState, session_id_of
 from ibex_dataplane.proxy.metrics import ProxyMetrics
-from ibex_dataplane.proxy.middleware import request_id_of, server_request_id_of
 from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
 from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.proxy.validation import validate_chat_body
+from ibex_dataplane.shared.errors import ApiError, ServiceError, error_response
+from ibex_dataplane.shared.http import request_id_of, server_request_id_of
+from ibex_dataplane.shared.idempotency import (
+    REPLAYED_HEADER,
+    Claim,
+    IdempotencyLedger,
+    StoredResponse,
+    fingerprint,
+    idempotency_key_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,28 +193,20 @@ class Replay(Exception):
         self.stored = stored
 
 
-def as_api_error(e: MemoryServiceError) -> ApiError:
-    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
-    return ApiError(e.status, e.code, e.message, field_errors=e.field_errors, headers=headers)
-
-
 def idempotency(ledger: IdempotencyLedger) -> Any:
     """Idempotency-Key on non-streaming chat: same key and body replay the stored answer; another body is 409."""
 
     async def gate(state: GateState) -> None:
         plan = _plan(state)
-        try:
-            key = idempotency_key_of(state.request.headers)
-            if key is None or plan.body.get("stream") is True:
-                return
-            caller = state.require_caller()
-            _, agent = state.require_agent()
-            result = await ledger.claim(
-                caller.org_id, agent.id, key, "chat.completions", fingerprint("chat.completions", state.raw_body),
-                lock_seconds=DEFAULT_DEADLINE + 10,
-            )  # fmt: skip
-        except MemoryServiceError as e:
-            raise as_api_error(e) from e
+        key = idempotency_key_of(state.request.headers)
+        if key is None or plan.body.get("stream") is True:
+            return
+        caller = state.require_caller()
+        _, agent = state.require_agent()
+        result = await ledger.claim(
+            caller.org_id, agent.id, key, "chat.completions", fingerprint("chat.completions", state.raw_body),
+            lock_seconds=DEFAULT_DEADLINE + 10,
+        )  # fmt: skip
         if isinstance(result, StoredResponse):
             raise Replay(result)
         plan.claim = result
@@ -291,7 +282,7 @@ class ChatHandler:
                     status=replay.stored.status, body=replay.stored.body,
                     headers={**replay.stored.headers, **state.response_headers, REPLAYED_HEADER: "true"},
                 )  # fmt: skip
-            except ApiError as e:
+            except ServiceError as e:
                 e.headers = {**state.response_headers, **e.headers}
                 plan = state.extra.get("chat")
                 if isinstance(plan, ChatPlan):
@@ -315,7 +306,7 @@ class ChatHandler:
             status = response.status
             error_code = state.extra.get("error_code", "") if status >= 400 else ""
             return response
-        except ApiError as e:
+        except ServiceError as e:
             status, error_code = e.status, e.code
             raise
         finally:
@@ -328,10 +319,8 @@ class ChatHandler:
             return
         keep = {str(k): v for k, v in response.headers.items() if k in ("Content-Type", "X-IBEX-Session-ID")}
         body = response.body if isinstance(response, web.Response) and isinstance(response.body, bytes) else b""
-        try:
-            await self._s.idempotency.complete(claim, StoredResponse(response.status, body, keep))
-        except MemoryServiceError as e:  # never report success over an unfinished claim
-            raise as_api_error(e) from e
+        # Raises (503) when the claim cannot be finalized: never report success over an unfinished claim.
+        await self._s.idempotency.complete(claim, StoredResponse(response.status, body, keep))
 
     def _trace(self, state: GateState, status: int, error_code: str) -> None:
         """One analytics row per request that got as far as a known org and agent (never content)."""

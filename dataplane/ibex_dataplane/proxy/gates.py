@@ -22,11 +22,11 @@ import orjson
 from aiohttp import web
 
 from ibex_dataplane.proxy.auth import Caller, KeyValidator, require_scope
-from ibex_dataplane.proxy.errors import ApiError
 from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.policy import PolicyService, PolicySnapshot
 from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
 from ibex_dataplane.proxy.repository import AgentPolicy
+from ibex_dataplane.shared.errors import ApiError
 from ibex_dataplane.store.errors import StoreUnavailable
 
 AGENT_HEADER = "X-IBEX-Agent-ID"

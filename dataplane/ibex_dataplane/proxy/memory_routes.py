@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from ibex_dataplane.proxy.errors import ApiError
 from ibex_dataplane.proxy.gates import GatePipeline, GateState
-from ibex_dataplane.proxy.middleware import request_id_of
-from ibex_dataplane.security.principal import HEADER, Principal, PrincipalSigner
+from ibex_dataplane.security.principal import HEADER, Principal, PrincipalSigner, http_target
+from ibex_dataplane.shared.errors import ApiError
+from ibex_dataplane.shared.http import request_id_of
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class MemoryForwarder:
             scopes=frozenset(caller.scopes & MEMORY_SCOPES),
             request_id=state.request_id,
             deadline=time.time() + self._timeout,
+            target=http_target(request.method, request.path),
         )
         headers = {HEADER: self._signer.sign(principal), "X-Request-ID": state.request_id}
         if state.raw_body:

@@ -9,11 +9,11 @@ from aiohttp import web
 
 from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.proxy.analytics import GROUPINGS, usage_report
-from ibex_dataplane.proxy.errors import ApiError
 from ibex_dataplane.proxy.gates import GatePipeline, GateState
-from ibex_dataplane.proxy.middleware import request_id_of
 from ibex_dataplane.proxy.policy import PolicyService
 from ibex_dataplane.proxy.sessions import SessionService
+from ibex_dataplane.shared.errors import ApiError
+from ibex_dataplane.shared.http import request_id_of
 from ibex_dataplane.store.clickhouse import ClickHouse
 
 

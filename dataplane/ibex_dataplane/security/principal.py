@@ -1,8 +1,10 @@
 """The internal principal: how the proxy tells the memory and context stages who a call is for (section 6.6).
 
-A short-lived token signed with HMAC-SHA256 over a compact JSON claim set: org, agent, scopes, request id and an
-absolute deadline (wall-clock epoch seconds, so it survives process boundaries). Stages accept a call only with a
-valid principal and derive tenant scope from it alone. Format: ``v1.<base64url(claims)>.<base64url(mac)>``.
+A short-lived token signed with HMAC-SHA256 over a compact JSON claim set: org, agent, scopes, request id, an
+absolute deadline (wall-clock epoch seconds, so it survives process boundaries) and the one call it was made for
+(its *target*: an HTTP method and path of the memory stage, or a gRPC method of the context stage). Stages accept
+a call only with a valid principal signed for that very call, and derive tenant scope from it alone: a principal
+captured from one call cannot be replayed against another route. Format: ``v1.<base64url(claims)>.<base64url(mac)>``.
 """
 
 from __future__ import annotations
@@ -39,12 +41,23 @@ class Principal:
     scopes: frozenset[str]
     request_id: str
     deadline: float  # epoch seconds after which the call must not run
+    target: str  # the call this principal is for: see http_target() and grpc_target()
 
     def remaining(self, now: float | None = None) -> float:
         return self.deadline - (time.time() if now is None else now)
 
     def has(self, scope: str) -> bool:
         return scope in self.scopes
+
+
+def http_target(method: str, path: str) -> str:
+    """The target of a call to an HTTP stage: method and path (no query string)."""
+    return f"http {method.upper()} {path}"
+
+
+def grpc_target(full_method: str) -> str:
+    """The target of a gRPC call, e.g. ``/ibex.context.v1.ContextAssembly/Assemble``."""
+    return f"grpc {full_method}"
 
 
 class PrincipalSigner:
@@ -66,11 +79,13 @@ class PrincipalSigner:
             "s": sorted(principal.scopes),
             "r": principal.request_id,
             "d": round(principal.deadline, 3),
+            "t": principal.target,
         }
         payload = orjson.dumps(claims)
         return f"{_VERSION}.{_b64(payload)}.{_b64(self._mac(payload))}"
 
-    def verify(self, token: str | None, *, now: float | None = None) -> Principal:
+    def verify(self, token: str | None, *, target: str, now: float | None = None) -> Principal:
+        """The principal in ``token`` if it is well formed, authentic, unexpired and signed for ``target``."""
         if not token:
             raise PrincipalError("missing internal principal")
         parts = token.split(".")
@@ -90,6 +105,7 @@ class PrincipalSigner:
                 scopes=frozenset(str(s) for s in claims["s"]),
                 request_id=str(claims["r"]),
                 deadline=float(claims["d"]),
+                target=str(claims["t"]),
             )
         except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as e:
             raise PrincipalError("malformed internal principal") from e
@@ -98,4 +114,6 @@ class PrincipalSigner:
             raise PrincipalError("internal principal expired")
         if principal.deadline - current > self._max_lifetime:
             raise PrincipalError("internal principal lives too long")
+        if not hmac.compare_digest(principal.target.encode(), target.encode()):
+            raise PrincipalError("internal principal was signed for another call")
         return principal

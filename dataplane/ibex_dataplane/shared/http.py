@@ -1,4 +1,11 @@
-"""Request id and error envelope middleware: every response carries ``X-Request-ID``; every error is enveloped."""
+"""The HTTP edge every aiohttp stage shares: request ids and the error envelope, as one middleware.
+
+Every response carries ``X-Request-ID`` (the client's, when it is well formed, else a server-generated one; the
+memory stage receives the proxy's, so both log the same id). Every error is rendered with the envelope of
+:mod:`ibex_dataplane.shared.errors`: service errors with their own status and code, an unavailable store as 503
+``SERVICE_DEGRADED``, aiohttp's HTTP exceptions with their mapped codes, and anything unexpected as 500
+``INTERNAL_ERROR`` without internals. Used by the proxy and the memory stage apps.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import uuid
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from ibex_dataplane.proxy.errors import HTTP_STATUS_CODES, ApiError, error_response
+from ibex_dataplane.shared.errors import HTTP_STATUS_CODES, ServiceError, error_response, service_error_response
 from ibex_dataplane.store.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -18,6 +25,7 @@ REQUEST_ID = web.RequestKey("request_id", str)
 # Always server-generated and unique: what budgets and ledgers key on (a client may reuse its own X-Request-ID).
 SERVER_REQUEST_ID = web.RequestKey("server_request_id", str)
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_KEPT_HEADERS = ("allow", "retry-after")
 
 
 def server_request_id_of(request: web.Request) -> str:
@@ -39,8 +47,8 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
     request[SERVER_REQUEST_ID] = server_rid
     try:
         response = await handler(request)
-    except ApiError as e:
-        response = error_response(e.status, e.code, e.message, rid, field_errors=e.field_errors, headers=e.headers)
+    except ServiceError as e:
+        response = service_error_response(e, rid)
     except StoreUnavailable as e:
         response = error_response(
             503, "SERVICE_DEGRADED", f"a required store is unavailable ({e.store})", rid, headers={"Retry-After": "1"}
@@ -49,7 +57,7 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
         if e.status < 400:
             raise
         code = HTTP_STATUS_CODES.get(e.status, "INVALID_REQUEST" if e.status < 500 else "INTERNAL_ERROR")
-        headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+        headers = {k: v for k, v in e.headers.items() if k.lower() in _KEPT_HEADERS}
         message = e.reason if e.status != 404 else "no such route"
         if e.status == 405:
             message = f"method {request.method} is not allowed here"

@@ -29,7 +29,7 @@ from uuid import UUID
 
 import orjson
 
-from ibex_dataplane.memory.errors import (
+from ibex_dataplane.shared.errors import (
     IdempotencyConflict,
     IdempotencyInProgress,
     IdempotencyUnavailable,
