@@ -11,9 +11,11 @@ Algorithm
 2. If every candidate fits (tokens and ``max_items``), take them all: that is optimal and needs no table.
 3. Otherwise, when the dynamic-programming table stays within ``cell_ceiling`` cells, run the DP: weights are
    token counts rounded to ``bucket``-token buckets (at least one bucket), capacity is ``budget // bucket``
-   buckets, and the table is updated one item at a time with whole-row numpy operations (no Python loop over
-   capacity). With ``max_items`` below the number of candidates that fit, the DP also counts items (a table of
-   item count x capacity) over the best ``MAX_ITEMS_PRETRIM`` x ``max_items`` candidates by score.
+   buckets, and the table is updated with whole-row numpy operations (no Python loop over capacity). Without an
+   item cap, candidates of equal bucketed weight are one step: of those, the best ``t`` are the ones to take,
+   so each step picks the best ``t`` for every capacity at once (about 20 steps for 200 candidates). With
+   ``max_items`` below the number of candidates that fit, the DP also counts items (a table of item count x
+   capacity, one step per candidate) over the best ``MAX_ITEMS_PRETRIM`` x ``max_items`` candidates by score.
    Above the ceiling, the greedy solution is used and the path is ``greedy``.
 4. Repair: rounding can undercount, so while the exact token sum exceeds the budget, drop the chosen candidate
    with the lowest score per token.
@@ -124,27 +126,38 @@ def _greedy(ordered: Sequence[PackCandidate], budget: int, limit: int) -> list[i
 
 
 def _dp_plain(weights: npt.NDArray[np.int64], values: npt.NDArray[np.float64], capacity: int) -> list[int]:
-    """Optimal 0/1 knapsack on bucketed weights; returns positions into ``weights``."""
-    n = len(weights)
+    """Optimal 0/1 knapsack on bucketed weights; returns positions into ``weights`` (given in canonical order).
+
+    Candidates of equal weight form one group: of those, taking ``t`` means taking the ``t`` best (they appear in
+    canonical order, best first), and at most ``capacity // weight`` can fit. Each group is then one vectorized
+    step over every (count taken, capacity) pair, about 20 steps for 200 candidates instead of 200.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, w in enumerate(weights.tolist()):
+        if w <= capacity:
+            groups.setdefault(w, []).append(i)
     best = np.zeros(capacity + 1, dtype=np.float64)  # best[c]: best value within c buckets
-    scratch = np.empty(capacity + 1, dtype=np.float64)
-    take = np.zeros((n, capacity + 1), dtype=np.bool_)
-    for i in range(n):
-        w = int(weights[i])
-        if w > capacity:
-            continue
-        span = capacity + 1 - w
-        with_item = np.add(best[:span], values[i], out=scratch[:span])
-        np.greater(with_item, best[w:], out=take[i, w:])
-        np.maximum(best[w:], with_item, out=best[w:])
+    columns = np.arange(capacity + 1)
+    steps: list[tuple[list[int], int, npt.NDArray[np.intp]]] = []
+    for w, group in sorted(groups.items()):
+        members = group[: capacity // w]
+        m = len(members)
+        gains = np.zeros(m + 1)
+        np.cumsum(values[members], out=gains[1:])
+        padded = np.full(m * w + capacity + 1, -np.inf)
+        padded[m * w :] = best
+        shifted = padded[columns[None, :] + (m - np.arange(m + 1))[:, None] * w]  # shifted[t, c] = best[c - t*w]
+        shifted += gains[:, None]
+        taken = shifted.argmax(axis=0)  # first maximum: fewest items on ties
+        best = shifted[taken, columns]
+        steps.append((members, w, taken))
     chosen: list[int] = []
     c = capacity
-    for i in range(n - 1, -1, -1):
-        if take[i, c]:
-            chosen.append(i)
-            c -= int(weights[i])
-    chosen.reverse()
-    return chosen
+    for members, w, taken in reversed(steps):
+        t = int(taken[c])
+        chosen.extend(members[:t])
+        c -= t * w
+    return sorted(chosen)
 
 
 def _dp_counted(
