@@ -1,7 +1,9 @@
 """The ``ibex`` command: the composition root that builds settings once and wires stores, stages and reconcile.
 
 Subcommands:
-- ``ibex dev``: embedded stores, migrations, local tenant manifests, API keys, the data plane; Ctrl-C stops it all.
+- ``ibex dev``: embedded stores, migrations, local tenant manifests, API keys, the data plane (proxy, memory and
+  context stages); Ctrl-C stops it all.
+- ``ibex proxy`` / ``ibex memory`` / ``ibex context``: one data-plane stage as its own process.
 - ``ibex migrate``: apply pending Postgres and ClickHouse migrations to the configured stores.
 - ``ibex operator``: the kopf operator that reconciles the four custom resources into the stores.
 """
@@ -25,7 +27,9 @@ from typing import Any
 
 from aiohttp import web
 
+from ibex_dataplane.context.app import ContextStage
 from ibex_dataplane.memory.app import create_memory_app
+from ibex_dataplane.providers.catalog import ModelCatalog, catalog_for
 from ibex_dataplane.proxy.app import create_app
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.errors import EmbeddedStoreError
@@ -90,6 +94,7 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
     stores = await Stores.open(urls, settings, admin=True)
     runner: web.AppRunner | None = None
     memory_runner: web.AppRunner | None = None
+    context: ContextStage | None = None
     embedder: OnnxMiniLMEmbedder | None = None
     redactor: PiiRedactor | None = None
     try:
@@ -134,10 +139,17 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
         await memory_runner.setup()
         await web.TCPSite(memory_runner, settings.memory_host, 0).start()
         memory_url = f"http://{settings.memory_host}:{memory_runner.addresses[0][1]}"
+        # The context stage (gRPC) on a free local port too, reaching the memory stage the same way.
+        context = ContextStage(
+            settings, catalog=_catalog(settings), memory_url=memory_url, secret=secret, host=settings.context_host,
+            port=0,
+        )  # fmt: skip
+        await context.start()
 
         app = create_app(
-            settings, stores, pepper=pepper, memory_url=memory_url, principal_signer=PrincipalSigner(secret)
-        )
+            settings, stores, pepper=pepper, memory_url=memory_url, context_url=context.address,
+            principal_signer=PrincipalSigner(secret),
+        )  # fmt: skip
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
@@ -152,6 +164,8 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
     finally:
         if runner is not None:
             await runner.cleanup()
+        if context is not None:
+            await context.stop()
         if memory_runner is not None:
             await memory_runner.cleanup()
         if redactor is not None:
@@ -217,7 +231,7 @@ def _run_stage(
     serve: Callable[[argparse.Namespace, Settings], Coroutine[Any, Any, int]],
 ) -> int:
     """One data-plane stage as its own process, on `IBEX_*` stores or those of `ibex dev --data-dir`."""
-    if args.data_dir:
+    if getattr(args, "data_dir", None):
         settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
     try:
         import uvloop
@@ -278,6 +292,38 @@ async def _serve_memory(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     """The memory stage alone (reachable only with principals signed with IBEX_INTERNAL_SECRET)."""
     return _run_stage("memory", args, settings, _serve_memory)
+
+
+def _catalog(settings: Settings) -> ModelCatalog:
+    return catalog_for(
+        settings.providers_file,
+        echo_input_price=settings.echo_input_price_per_mtok,
+        echo_output_price=settings.echo_output_price_per_mtok,
+    )
+
+
+async def _serve_context(args: argparse.Namespace, settings: Settings) -> int:
+    if settings.internal_secret is None:
+        print("ibex context: IBEX_INTERNAL_SECRET is required (the proxy signs principals with it)", file=sys.stderr)
+        return 2
+    stage = ContextStage(
+        settings, catalog=_catalog(settings), memory_url=settings.memory_url,
+        secret=settings.internal_secret.get_secret_value().encode(), host=args.host or settings.context_host,
+        port=settings.context_port if args.port is None else args.port,
+        health_port=settings.context_health_port if args.health_port is None else args.health_port,
+    )  # fmt: skip
+    await stage.start()
+    try:
+        print(f"ibex context ready: grpc://{stage.address} (health {stage.health_url})", flush=True)
+        await _wait_for_signal()
+        return 0
+    finally:
+        await stage.stop()
+
+
+def cmd_context(args: argparse.Namespace, settings: Settings) -> int:
+    """The context stage alone (gRPC; reachable only with principals signed with IBEX_INTERNAL_SECRET)."""
+    return _run_stage("context", args, settings, _serve_context)
 
 
 async def _issue_key(args: argparse.Namespace, settings: Settings) -> int:
@@ -401,6 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--host", default=None, help="listen address (IBEX_MEMORY_HOST)")
     memory.add_argument("--port", type=int, default=None, help="port, 0 for a free one (IBEX_MEMORY_PORT)")
     memory.set_defaults(func=cmd_memory)
+    context = sub.add_parser("context", help="run the context stage (gRPC ContextAssembly) against the memory stage")
+    context.add_argument("--host", default=None, help="listen address (IBEX_CONTEXT_HOST)")
+    context.add_argument("--port", type=int, default=None, help="gRPC port, 0 for a free one (IBEX_CONTEXT_PORT)")
+    context.add_argument(
+        "--health-port", type=int, default=None, help="port of /healthz, /readyz, /metrics (IBEX_CONTEXT_HEALTH_PORT)"
+    )
+    context.set_defaults(func=cmd_context)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     issue = keys.add_parser("issue", help="issue a key for agents of an organization (local stores)")

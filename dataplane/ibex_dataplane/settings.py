@@ -107,6 +107,29 @@ class Settings(BaseSettings):
         description="Price of the built-in echo model per million output tokens (USD).",
     )
 
+    # --- context stage -----------------------------------------------------------------------------------------
+    context_host: str = Field(default="127.0.0.1", description="Address the context stage listens on (localhost).")
+    context_port: int = Field(default=50051, ge=0, le=65535, description="Port the context stage (gRPC) listens on.")
+    context_health_port: int = Field(
+        default=8082, ge=0, le=65535, description="Port of the context stage's /healthz, /readyz and /metrics."
+    )
+    context_url: str = Field(
+        default="127.0.0.1:50051", description="Where the proxy reaches the context stage (gRPC host:port, same pod)."
+    )
+    context_timeout_ms: float = Field(
+        default=60.0, gt=0, le=10_000, description="Deadline the proxy gives context assembly before it degrades."
+    )
+    context_deadline_ms: float = Field(
+        default=40.0, gt=0, le=10_000, description="The context stage's own outer deadline for retrieval branches."
+    )
+    context_directive_ms: float = Field(default=5.0, gt=0, description="Timeout of the directive branch.")
+    context_hot_ms: float = Field(default=15.0, gt=0, description="Timeout of the hot-memories branch.")
+    context_cold_ms: float = Field(default=45.0, gt=0, description="Timeout of the cold-search branch.")
+    context_max_memories: int = Field(
+        default=20, ge=1, le=50, description="Most memories placed in one context (a request may ask for fewer)."
+    )
+    context_hot_limit: int = Field(default=10, ge=0, le=200, description="Hot memories considered per assembly.")
+
     # --- logging -----------------------------------------------------------------------------------------------
     log_level: str = Field(default="INFO", description="Log level for every IBEX logger.")
     log_json: bool = Field(default=False, description="Emit structured JSON log lines (production).")

@@ -1,7 +1,7 @@
 """Run the proxy application in-process on a free port, as a test 'replica' of the data plane.
 
-With ``memory=`` the memory stage runs too, in-process on its own free port, and the proxy reaches it over HTTP
-with principals signed by a per-run random secret, exactly as ``ibex dev`` wires them.
+With ``memory=`` the memory and context stages run too, in-process on their own free ports, and the proxy reaches
+them (HTTP and gRPC) with principals signed by a per-run random secret, exactly as ``ibex dev`` wires them.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from typing import Any
 
 from aiohttp import web
 
+from ibex_dataplane.context.app import ContextStage
 from ibex_dataplane.embedding import Embedder
 from ibex_dataplane.memory.app import create_memory_app
 from ibex_dataplane.memory.refinery import Redactor
+from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.proxy.app import create_app
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
@@ -47,6 +49,7 @@ class RunningProxy:
     base_url: str
     app: web.Application
     memory: RunningStage | None = None
+    context: ContextStage | None = None
 
     @property
     def v1(self) -> str:
@@ -54,7 +57,7 @@ class RunningProxy:
 
 
 @asynccontextmanager
-async def _serve(app: web.Application) -> AsyncIterator[str]:
+async def serve(app: web.Application) -> AsyncIterator[str]:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -72,8 +75,17 @@ async def running_memory_stage(
 ) -> AsyncIterator[RunningStage]:
     secret = secret or secrets.token_bytes(32)
     app = create_memory_app(settings, stores, embedder=deps.embedder, redactor=deps.redactor, secret=secret, **options)
-    async with _serve(app) as url:
+    async with serve(app) as url:
         yield RunningStage(url, app, secret)
+
+
+def unhurried(settings: Settings) -> Settings:
+    """Settings whose context deadlines tolerate a loaded CI machine: functional tests must not depend on timing
+    (the deadline behaviour has its own tests, and the latency is measured by bench/context_bench.py)."""
+    return settings.model_copy(
+        update={"context_deadline_ms": 5000.0, "context_directive_ms": 5000.0, "context_hot_ms": 5000.0,
+                "context_cold_ms": 5000.0, "context_timeout_ms": 8000.0}
+    )  # fmt: skip
 
 
 @asynccontextmanager
@@ -86,13 +98,31 @@ async def running_proxy(
 ) -> AsyncIterator[RunningProxy]:
     if memory is None:
         app = create_app(settings, stores, pepper=pepper, provider_config=provider_config)
-        async with _serve(app) as url:
+        async with serve(app) as url:
             yield RunningProxy(url, app)
         return
-    async with running_memory_stage(settings, stores, memory) as stage:
+    settings = unhurried(settings)
+    async with (
+        running_memory_stage(settings, stores, memory) as stage,
+        running_context_stage(settings, stage) as context,
+    ):
         app = create_app(
             settings, stores, pepper=pepper, provider_config=provider_config, memory_url=stage.base_url,
-            principal_signer=stage.signer,
+            context_url=context.address, principal_signer=stage.signer,
         )  # fmt: skip
-        async with _serve(app) as url:
-            yield RunningProxy(url, app, stage)
+        async with serve(app) as url:
+            yield RunningProxy(url, app, stage, context)
+
+
+@asynccontextmanager
+async def running_context_stage(settings: Settings, memory: RunningStage) -> AsyncIterator[ContextStage]:
+    """The context stage on a free port, in front of ``memory`` and sharing its principal secret."""
+    stage = ContextStage(
+        settings, catalog=ModelCatalog.builtin(), memory_url=memory.base_url, secret=memory.secret,
+        host="127.0.0.1", port=0, health_port=0,
+    )  # fmt: skip
+    await stage.start()
+    try:
+        yield stage
+    finally:
+        await stage.stop()

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from ibex_dataplane.proxy.directives import inject_directive
 from ibex_dataplane.proxy.repository import DirectiveRow
+from ibex_dataplane.shared.directives import inject_directive
 
 
 def directive(mode: str, text: str = "RULES") -> DirectiveRow:

@@ -148,6 +148,7 @@ def create_memory_app(
     r.add_get("/v1/memories", timed(metrics, "list", handlers.page))
     r.add_post("/v1/memories:batch", timed(metrics, "batch", handlers.batch))
     r.add_get("/v1/memories:hot", timed(metrics, "hot", handlers.hot))
+    r.add_post("/v1/memories:retrieved", timed(metrics, "retrieved", handlers.retrieved))
     r.add_post("/v1/memories/search", timed(metrics, "search", handlers.search))
     r.add_get("/v1/memories/{memory_id}", timed(metrics, "get", handlers.get))
     r.add_delete("/v1/memories/{memory_id}", timed(metrics, "delete", handlers.delete))

@@ -21,7 +21,7 @@ from ibex_dataplane.memory.middleware import principal_of
 from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.memory.refinery import WriteResult
 from ibex_dataplane.memory.service import MemoryService
-from ibex_dataplane.memory.validation import parse_batch, parse_list, parse_memory_id, parse_search
+from ibex_dataplane.memory.validation import parse_batch, parse_list, parse_memory_id, parse_memory_ids, parse_search
 from ibex_dataplane.security.principal import Principal
 from ibex_dataplane.shared.errors import (
     DeadlineExceeded,
@@ -41,6 +41,8 @@ from ibex_dataplane.shared.idempotency import (
 )
 
 READ, WRITE, DELETE, INTERNAL = "memory:read", "memory:write", "memory:delete", "memory:internal"
+# The context stage's own scope: hot memories, search without retrieval bookkeeping, and reporting what it placed.
+CONTEXT = "memory:context"
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
@@ -73,10 +75,11 @@ class MemoryHandlers:
     # -- helpers -------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _scoped(request: web.Request, scope: str) -> tuple[Principal, Tenant]:
+    def _scoped(request: web.Request, *scopes: str) -> tuple[Principal, Tenant]:
+        """The principal and its tenant, if the principal holds any of ``scopes``."""
         principal = principal_of(request)
-        if not principal.has(scope):
-            raise Forbidden(f"the caller lacks the '{scope}' scope")
+        if not any(principal.has(scope) for scope in scopes):
+            raise Forbidden(f"the caller lacks the '{scopes[0]}' scope")
         return principal, Tenant(principal.org_id, principal.agent_id)
 
     @staticmethod
@@ -203,18 +206,26 @@ class MemoryHandlers:
         return _json({"data": [m.to_wire() for m in page.memories], "next_cursor": page.next_cursor})
 
     async def search(self, request: web.Request) -> web.Response:
-        principal, tenant = self._scoped(request, READ)
+        principal, tenant = self._scoped(request, READ, CONTEXT)
         query = parse_search(await self._body(request), internal=principal.has(INTERNAL))
-        hits = await self._within_deadline(principal, self._service.search(tenant, query))
+        record = not principal.has(CONTEXT)  # the context stage reports what it placed, not what it saw
+        hits = await self._within_deadline(principal, self._service.search(tenant, query, record=record))
         return _json({"results": [h.to_wire() for h in hits]})
 
     async def hot(self, request: web.Request) -> web.Response:
-        """The agent's hot memories (for the context stage; not routed by the proxy)."""
-        principal, tenant = self._scoped(request, READ)
+        """The agent's hot memories with composite scores (for the context stage; not routed by the proxy)."""
+        principal, tenant = self._scoped(request, READ, CONTEXT)
         raw = request.query.get("limit", "20")
         limit = int(raw) if raw.isdigit() and 1 <= int(raw) <= 200 else 20
-        memories = await self._within_deadline(principal, self._service.hot(tenant, limit))
-        return _json({"data": [m.to_wire() for m in memories]})
+        hits = await self._within_deadline(principal, self._service.hot_hits(tenant, limit))
+        return _json({"results": [h.to_wire() for h in hits]})
+
+    async def retrieved(self, request: web.Request) -> web.Response:
+        """The context stage reports the memories it placed into a prompt: their retrieval metadata is bumped."""
+        _, tenant = self._scoped(request, CONTEXT)
+        ids = parse_memory_ids(await self._body(request))
+        self._service.record_retrievals(tenant, ids)
+        return web.Response(status=204)
 
 
 def timed(metrics: MemoryMetrics, route: str, handler: Callable[[web.Request], Awaitable[web.Response]]) -> Any:

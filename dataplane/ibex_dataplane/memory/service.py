@@ -14,6 +14,7 @@ import hmac
 import logging
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -22,7 +23,7 @@ from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.memory.outbox import OutboxWorker
 from ibex_dataplane.memory.refinery import Refinery, StageReport, WriteResult
 from ibex_dataplane.memory.repository import MemoryRepository
-from ibex_dataplane.memory.search import MemorySearch, SearchHit
+from ibex_dataplane.memory.search import MemorySearch, SearchHit, score
 from ibex_dataplane.memory.validation import ListCursor, ListQuery, SearchQuery, parse_feedback
 from ibex_dataplane.shared.errors import NotFound
 from ibex_dataplane.store.errors import StoreError
@@ -136,9 +137,10 @@ class MemoryService:
         cursor = ListCursor(page[-1].created_at, page[-1].id).encode() if more and page else None
         return Page(page, cursor)
 
-    async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
+    async def search(self, tenant: Tenant, query: SearchQuery, *, record: bool = True) -> list[SearchHit]:
+        """Ranked hits; ``record`` bumps their retrieval metadata (the context stage bumps only what it placed)."""
         hits = await self._search.search(tenant, query)
-        if hits and query.as_of is None:
+        if record and hits and query.as_of is None:
             self._retrievals.record(tenant, [h.memory.id for h in hits])
         return hits
 
@@ -147,6 +149,21 @@ class MemoryService:
         ids = await self._hot.ids(tenant, limit)
         live = await self._repo.get_many(tenant, ids)
         return [live[i] for i in ids if i in live]
+
+    async def hot_hits(self, tenant: Tenant, limit: int) -> list[SearchHit]:
+        """The hot memories with their composite score; with no query, relevance is 0 (the context stage's hot
+        branch: they compete with query-relevant cold hits only on recency, usefulness and confidence)."""
+        now = datetime.now(UTC)
+        hits = []
+        for memory in await self.hot(tenant, limit):
+            total, components = score(memory, 0.0, now, self._search.tuning)
+            hits.append(SearchHit(memory, total, components, "hot"))
+        return hits
+
+    def record_retrievals(self, tenant: Tenant, ids: Sequence[UUID]) -> None:
+        """Bump retrieval metadata of memories a caller used (batched off the request path)."""
+        if ids:
+            self._retrievals.record(tenant, ids)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 

@@ -354,3 +354,21 @@ def parse_memory_id(raw: str) -> UUID | None:
         return UUID(raw)
     except ValueError:
         return None
+
+
+def parse_memory_ids(body: Any, *, limit: int = 200) -> list[UUID]:
+    """``{"ids": [uuid, ...]}`` (at most ``limit``): the memories a caller placed into a context."""
+    ids = body.get("ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or len(ids) > limit:
+        raise ValidationFailed(
+            "ids must be a list of memory ids", field_errors=[{"field": "ids", "message": f"1..{limit} ids"}]
+        )
+    parsed: list[UUID] = []
+    for i, raw in enumerate(ids):
+        value = parse_memory_id(raw) if isinstance(raw, str) else None
+        if value is None:
+            raise ValidationFailed(
+                "ids must be memory ids", field_errors=[{"field": f"ids[{i}]", "message": "not a uuid"}]
+            )
+        parsed.append(value)
+    return parsed

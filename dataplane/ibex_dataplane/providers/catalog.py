@@ -12,9 +12,11 @@ here it only tells which provider names exist).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
+from pathlib import Path
 from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -216,3 +218,23 @@ class ModelCatalog:
         info = self._resolve(model)
         completion = info.max_output_tokens if max_tokens is None else min(max(max_tokens, 0), info.max_output_tokens)
         return self.cost(info, prompt_tokens, completion)
+
+
+def load_provider_config(path: Path) -> dict[str, Any]:
+    """The providers file: ``{"models": [...], "providers": {...}, "fallbacks": {...}}`` (validated by the registry)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CatalogConfigError(f"cannot read providers file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise CatalogConfigError(f"providers file {path} must hold a JSON object")
+    return data
+
+
+def catalog_for(providers_file: Path | None, *, echo_input_price: Decimal, echo_output_price: Decimal) -> ModelCatalog:
+    """The catalog every stage uses: built-in models plus those of the providers file (the proxy and the context
+    stage must agree on windows, output limits and tokenizer families)."""
+    config = load_provider_config(providers_file) if providers_file is not None else {}
+    return ModelCatalog.from_config(
+        config, echo_input_price_per_mtok=echo_input_price, echo_output_price_per_mtok=echo_output_price
+    )

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from ibex_dataplane.providers.catalog import CatalogConfigError, ModelCatalog
+from ibex_dataplane.providers.catalog import ModelCatalog, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
 from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
@@ -29,12 +27,14 @@ from ibex_dataplane.proxy.chat import (
     ChatHandler,
     ChatServices,
     budget_hold,
+    context_assembly,
     directive_and_session,
     idempotency,
     model_policy,
     rate_limit,
     validate_request,
 )
+from ibex_dataplane.proxy.context import ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService, decode_directive, encode_directive
 from ibex_dataplane.proxy.gates import (
     GatePipeline,
@@ -97,10 +97,13 @@ def create_app(
     catalog: ModelCatalog | None = None,
     provider_config: dict[str, Any] | None = None,
     memory_url: str | None = None,
+    context_url: str | None = None,
     principal_signer: PrincipalSigner | None = None,
 ) -> web.Application:
-    """The proxy. Memory routes reach the stage at ``memory_url`` with principals from ``principal_signer``;
-    both default to ``IBEX_MEMORY_URL`` and ``IBEX_INTERNAL_SECRET`` (without a secret they answer 503)."""
+    """The proxy. Memory routes reach the stage at ``memory_url`` and chat reaches the context stage at
+    ``context_url`` with principals from ``principal_signer``; they default to ``IBEX_MEMORY_URL``,
+    ``IBEX_CONTEXT_URL`` and ``IBEX_INTERNAL_SECRET`` (without a secret memory routes answer 503 and context
+    assembly degrades)."""
     app = web.Application(middlewares=[envelope_middleware], client_max_size=settings.max_body_bytes)
     metrics = ProxyMetrics()
     app[SETTINGS] = settings
@@ -140,13 +143,20 @@ def create_app(
     ]
     bound = [*keyed, ("agent_binding", bind_agent(policies)), ("tenant_status", tenant_status)]
 
+    if principal_signer is None and settings.internal_secret is not None:
+        principal_signer = PrincipalSigner(settings.internal_secret.get_secret_value().encode())
+    context_client = ContextClient(
+        context_url or settings.context_url, principal_signer, timeout=settings.context_timeout_ms / 1000,
+        metrics=metrics,
+    )  # fmt: skip
+
     async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession()
         registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
         services = ChatServices(
             catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets,
             directives=directives, sessions=sessions, metrics=metrics, background=background, analytics=analytics,
-            idempotency=IdempotencyLedger(stores.db),
+            idempotency=IdempotencyLedger(stores.db), context=context_client,
         )  # fmt: skip
         app[SERVICES] = services
         chat_pipeline = GatePipeline(
@@ -158,12 +168,14 @@ def create_app(
                 ("idempotency", idempotency(services.idempotency)),
                 ("budget_hold", budget_hold(budgets, catalog)),
                 ("directive_session", directive_and_session(directives)),
+                ("context", context_assembly(context_client)),
             ],
             metrics,
         )
         app[CHAT] = ChatHandler(chat_pipeline, services)
         await listener.start()
         await analytics.start()
+        await context_client.start()
         sweeper = asyncio.create_task(_sweep(budgets, sessions), name="ibex-sweeper")
         try:
             yield
@@ -177,6 +189,7 @@ def create_app(
             await analytics.stop()
             await registry.aclose()
             await session.close()
+            await context_client.close()
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await request.app[CHAT].handle(request)
@@ -201,8 +214,6 @@ def create_app(
     async def openapi_handler(request: web.Request) -> web.Response:
         return web.json_response(openapi_document())
 
-    if principal_signer is None and settings.internal_secret is not None:
-        principal_signer = PrincipalSigner(settings.internal_secret.get_secret_value().encode())
     add_memory_routes(
         app,
         bound=GatePipeline([*bound, ("rate_limit", request_rate_limit(rate_limiter))], metrics),
@@ -221,17 +232,6 @@ def create_app(
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi_handler)
     return app
-
-
-def load_provider_config(path: Path) -> dict[str, Any]:
-    """The providers file: ``{"models": [...], "providers": {...}, "fallbacks": {...}}`` (validated by the registry)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CatalogConfigError(f"cannot read providers file {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise CatalogConfigError(f"providers file {path} must hold a JSON object")
-    return data
 
 
 async def _sweep(budgets: BudgetService, sessions: SessionService, every: float = 30.0) -> None:

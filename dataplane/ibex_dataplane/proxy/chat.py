@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: the chat-specific gates, the provider handoff and the after-response work.
 
 After the shared gates (:mod:`ibex_dataplane.proxy.gates`): model policy -> rate limit -> request validation ->
-budget hold -> directive + session -> provider handoff. After the answer (JSON or SSE) has been produced, the
+budget hold -> directive + session -> bounded context assembly (:mod:`ibex_dataplane.proxy.context`, degrades)
+-> provider handoff. After the answer (JSON or SSE) has been produced, the
 budget hold is settled to the actual usage, the TPM counters corrected, and the session checkpoint and the
 analytics rows written; those run as shielded background tasks so a client disconnect cannot cut them short.
 """
@@ -28,12 +29,15 @@ from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.providers.tokens import estimate_chat_tokens
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder, Trace
 from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetHold, BudgetPolicy, BudgetService, Enforcement
-from ibex_dataplane.proxy.directives import DirectiveService, inject_directive
+from ibex_dataplane.proxy.context import SKIP_HEADER, ContextClient, ContextOutcome
+from ibex_dataplane.proxy.directives import DirectiveService
 from ibex_dataplane.proxy.gates import GatePipeline, GateState, session_id_of
 from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
+from ibex_dataplane.proxy.repository import AgentPolicy, DirectiveRow
 from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.proxy.validation import validate_chat_body
+from ibex_dataplane.shared.directives import inject_directive
 from ibex_dataplane.shared.errors import ApiError, ServiceError, error_response
 from ibex_dataplane.shared.http import request_id_of, server_request_id_of
 from ibex_dataplane.shared.idempotency import (
@@ -63,6 +67,9 @@ class ChatPlan:
     hold: BudgetHold | None = None
     session_id: str = ""
     directive_version: int | None = None
+    directive: DirectiveRow | None = None
+    client_messages: list[dict[str, Any]] = field(default_factory=list)  # as sent, before any injection
+    context: ContextOutcome = field(default_factory=ContextOutcome)
     rate_window: int | None = None
     # What the handoff produced, for the trace:
     claim: Claim | None = None  # Idempotency-Key claim of a non-streaming request
@@ -109,6 +116,7 @@ class ChatServices:
     background: BackgroundTasks
     analytics: AnalyticsRecorder
     idempotency: IdempotencyLedger
+    context: ContextClient
 
 
 def _plan(state: GateState) -> ChatPlan:
@@ -214,12 +222,23 @@ def idempotency(ledger: IdempotencyLedger) -> Any:
     return gate
 
 
+# Room for the memory block's fixed framing (preamble, wrapper, message framing) beyond memory.contextTokens; a
+# unit test checks the context stage's formatter overhead stays within it for every tokenizer family.
+MEMORY_FRAMING_ALLOWANCE = 256
+
+
+def memory_allowance(agent: AgentPolicy) -> int:
+    """Tokens context assembly may add to the prompt for this agent: what the budget hold must also cover."""
+    return agent.memory_context_tokens + MEMORY_FRAMING_ALLOWANCE if agent.memory_enabled else 0
+
+
 def budget_hold(budgets: BudgetService, catalog: ModelCatalog) -> Any:
     async def gate(state: GateState) -> None:
         plan = _plan(state)
         caller = state.require_caller()
         policy, agent = state.require_agent()
-        amount = catalog.worst_case_cost(plan.model, plan.prompt_tokens, plan.max_output)
+        prompt = plan.prompt_tokens + memory_allowance(agent)  # the hold covers the memories context may add
+        amount = catalog.worst_case_cost(plan.model, prompt, plan.max_output)
         budget = BudgetPolicy(
             org_limit_usd=policy.budget_limit,
             agent_limit_usd=agent.budget_limit,
@@ -241,9 +260,36 @@ def directive_and_session(directives: DirectiveService) -> Any:
         plan.session_id = session_id_of(state.request)
         state.response_headers["X-IBEX-Session-ID"] = plan.session_id
         directive = await directives.active(caller.org_id, agent.id)
+        plan.client_messages = plan.body["messages"]
         if directive is not None:
-            plan.directive_version = directive.version
+            plan.directive, plan.directive_version = directive, directive.version
+            # Also the fallback when context assembly degrades: directive-only context.
             plan.body["messages"] = inject_directive(plan.body["messages"], directive)
+
+    return gate
+
+
+def context_assembly(client: ContextClient) -> Any:
+    """Memory context for agents with ``memory.enabled``; never fails the request (section 6.1: it degrades)."""
+
+    async def gate(state: GateState) -> None:
+        plan = _plan(state)
+        caller = state.require_caller()
+        _, agent = state.require_agent()
+        if not agent.memory_enabled:
+            return
+        tools = plan.body.get("tools")
+        outcome = await client.assemble(
+            org_id=caller.org_id, agent_id=agent.id, request_id=state.request_id, model=plan.model.name,
+            messages=plan.client_messages, tools=tools if isinstance(tools, list) else None,
+            session_id=plan.session_id, context_tokens=agent.memory_context_tokens, max_output_tokens=plan.max_output,
+            skip_memory=state.request.headers.get(SKIP_HEADER, "").strip().lower() in ("1", "true", "yes"),
+            directive=plan.directive,
+        )  # fmt: skip
+        plan.context = outcome
+        if outcome.messages is not None:
+            plan.body["messages"] = outcome.messages
+        state.response_headers.update(outcome.headers())
 
     return gate
 
@@ -342,6 +388,10 @@ class ChatHandler:
                 cost_usd=plan.cost if plan else Decimal(0),
                 latency_ms=(time.perf_counter() - state.started) * 1000,
                 upstream_ms=plan.upstream_ms if plan else 0.0, stage_ms=dict(state.timings),
+                memories_injected=plan.context.memories_injected if plan else 0,
+                context_tokens=plan.context.context_tokens if plan else 0,
+                context_degraded=bool(plan and plan.context.degraded),
+                degradations=tuple(plan.context.reasons) if plan else (),
                 priced=usage is not None,
             )
         )  # fmt: skip

@@ -4,8 +4,9 @@ Each route runs the shared bound gate pipeline (body limit, content type, API ke
 binding, org and agent status), then forwards the request to the memory stage on localhost with an internal
 principal (org, agent, the key's memory scopes, request id, deadline; section 6.6) and relays its status, body and
 the headers a client needs. The API key itself never leaves the proxy, and nothing a client sends can name the
-tenant: the memory stage takes scope from the principal alone. A memory stage that is not configured, cannot be
-reached or misses the deadline is 503 ``SERVICE_DEGRADED``.
+tenant: the memory stage takes scope from the principal alone. An agent whose ``memory.enabled`` is false accepts
+no memory writes (403); its existing memories can still be listed, read and forgotten. A memory stage that is not
+configured, cannot be reached or misses the deadline is 503 ``SERVICE_DEGRADED``.
 
 Wired by :func:`add_memory_routes`, called from :func:`ibex_dataplane.proxy.app.create_app`.
 """
@@ -64,6 +65,10 @@ class MemoryForwarder:
         await self._bound.run(state)
         caller = state.require_caller()
         _, agent = state.require_agent()
+        if scope == "memory:write" and not agent.memory_enabled:
+            raise ApiError(
+                403, "INSUFFICIENT_PERMISSIONS", "memory is disabled for this agent (spec.memory.enabled is false)"
+            )
         if self._url is None or self._signer is None:
             raise ApiError(503, "SERVICE_DEGRADED", "the memory stage is not configured", headers={"Retry-After": "5"})
         principal = Principal(
