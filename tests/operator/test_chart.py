@@ -264,3 +264,29 @@ def test_every_value_is_documented_in_the_chart_readme() -> None:
     assert undocumented == []
     unknown = [d for d in documented if not any(p == d or p.startswith(d + ".") for p in leaves)]
     assert unknown == []
+
+
+def test_every_container_runs_a_real_ibex_subcommand_with_real_flags_and_settings(helm: Helm) -> None:
+    """The chart and the CLI agree: each container's command parses with `ibex`'s own parser, and every IBEX_*
+    variable the chart sets is a setting the processes read."""
+    from ibex_dataplane.cli import build_parser
+    from ibex_dataplane.settings import Settings
+
+    parser = build_parser()
+    known = {f"IBEX_{name.upper()}" for name in Settings.model_fields}
+    seen: set[str] = set()
+    for doc in helm.template(*EVERYTHING_ON):
+        if doc["kind"] != "Deployment":
+            continue
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            assert container["command"] == ["ibex"], container["name"]
+            args = container.get("args", [])
+            try:
+                parsed = parser.parse_args(args)
+            except SystemExit as e:  # argparse exits on unknown subcommands and flags
+                raise AssertionError(f"{container['name']}: `ibex {' '.join(args)}` is not a valid command") from e
+            assert callable(getattr(parsed, "func", None)), container["name"]
+            seen.add(args[0])
+            names = {e["name"] for e in container.get("env", []) if e["name"].startswith("IBEX_")}
+            assert names <= known, f"{container['name']} sets unknown settings: {sorted(names - known)}"
+    assert {"proxy", "memory", "context", "operator"} <= seen

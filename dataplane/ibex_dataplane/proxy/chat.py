@@ -224,7 +224,7 @@ def idempotency(ledger: IdempotencyLedger) -> Any:
 
 # Room for the memory block's fixed framing (preamble, wrapper, message framing) beyond memory.contextTokens; a
 # unit test checks the context stage's formatter overhead stays within it for every tokenizer family.
-MEMORY_FRAMING_ALLOWANCE = 256
+MEMORY_FRAMING_ALLOWANCE = 512
 
 
 def memory_allowance(agent: AgentPolicy) -> int:
