@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -22,13 +23,18 @@ from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.security.apikeys import parse_token, secret_matches
 from tests.support.processes import IBEX, REPO, IbexProcess, ibex_process
 
+# Functional tests must not depend on how loaded the CI machine is: context deadlines are raised (the deadline
+# behaviour has its own integration tests, and bench/context_bench.py measures the latency).
+UNHURRIED = {"IBEX_CONTEXT_DEADLINE_MS": "5000", "IBEX_CONTEXT_HOT_MS": "5000", "IBEX_CONTEXT_COLD_MS": "5000",
+             "IBEX_CONTEXT_TIMEOUT_MS": "8000"}  # fmt: skip
+
 
 @contextmanager
 def ibex_dev(data_dir: Path, keys_out: Path, manifests: Path | None = None) -> Iterator[IbexProcess]:
     args = ["dev", "--data-dir", str(data_dir), "--port", "0", "--keys-out", str(keys_out)]
     if manifests is not None:
         args += ["--manifests", str(manifests)]
-    with ibex_process(args, {**os.environ}) as dev:
+    with ibex_process(args, {**os.environ, **UNHURRIED}) as dev:
         yield dev
 
 
@@ -93,7 +99,32 @@ async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(scra
 
         seen = await asyncio.to_thread(chat_as, first_keys["tenants/support-bot-key"])
         assert seen[0]["role"] == "system" and "support assistant for Acme" in seen[0]["content"]
-        assert seen[-1] == {"role": "user", "content": "hello"}
+        assert seen[1] == {"role": "user", "content": "hello"}
+
+        # The README's memory example: what the agent wrote comes back in its prompt, inside a nonce block.
+        support = {"Authorization": f"Bearer {first_keys['tenants/support-bot-key']}", "X-IBEX-Agent-ID": "support-bot"}
+        fact = "The customer prefers email over phone calls."
+        async with ClientSession() as http, http.post(dev.url + "/v1/memories", json={"content": fact},
+                                                       headers=support) as r:  # fmt: skip
+            assert r.status == 201, await r.text()
+        question = [{"role": "user", "content": "How should we contact the customer?"}]
+
+        def chat_with_memory(token: str, agent: str) -> tuple[str, dict[str, str]]:
+            with OpenAI(base_url=dev.url + "/v1", api_key=token, max_retries=0,
+                        default_headers={"X-IBEX-Agent-ID": agent}) as ai:  # fmt: skip
+                raw = ai.chat.completions.with_raw_response.create(model="echo", messages=question)  # type: ignore[arg-type]
+                return raw.parse().choices[0].message.content or "", dict(raw.headers)
+
+        echoed, headers = await asyncio.to_thread(
+            chat_with_memory, first_keys["tenants/support-bot-key"], "support-bot"
+        )
+        assert headers["x-ibex-memories-injected"] == "1", headers
+        memory_message = json.loads(echoed)[-1]["content"]
+        assert re.search(
+            r'<memory nonce="[a-p]{16}" id="[0-9a-f-]{36}">' + re.escape(fact) + "</memory>", memory_message
+        )
+        other, _ = await asyncio.to_thread(chat_with_memory, first_keys["tenants/sales-bot-key"], "sales-bot")
+        assert "email over phone" not in other
         issued = await asyncio.to_thread(
             subprocess.run,
             [*IBEX, "keys", "issue", "--data-dir", str(data_dir), "--org", "acme", "--agent", "support-bot",
@@ -102,7 +133,7 @@ async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(scra
         )  # fmt: skip
         assert issued.returncode == 0, issued.stderr
         fresh_token = json.loads(issued.stdout)["token"]
-        assert (await asyncio.to_thread(chat_as, fresh_token))[-1]["content"] == "hello"
+        assert {"role": "user", "content": "hello"} in await asyncio.to_thread(chat_as, fresh_token)
         pg_port, redis_port = (
             info.postgres_app_dsn.rsplit(":", 1)[1].split("/")[0],
             info.redis_url.split(":")[2].split("/")[0],
@@ -155,16 +186,28 @@ def stage(command: str, data_dir: Path, env: dict[str, str]) -> Iterator[str]:
     assert running.proc.returncode == 0, f"ibex {command} exited with {running.proc.returncode}"
 
 
+@contextmanager
+def context_stage(env: dict[str, str]) -> Iterator[str]:
+    """Run `ibex context` (gRPC, no stores of its own); yields its host:port and checks it stops cleanly."""
+    with ibex_process(["context", "--port", "0", "--health-port", "0"], env, ready=r"ready: grpc://(\S+)") as running:
+        yield running.url
+    assert running.proc.returncode == 0, f"ibex context exited with {running.proc.returncode}"
+
+
 async def test_stages_run_as_separate_processes_over_ibex_devs_stores(scratch: Path) -> None:
-    """`ibex memory` and `ibex proxy` alone (as the chart's containers run them), wired by URL and shared secret."""
+    """`ibex memory`, `ibex context` and `ibex proxy` alone (as the chart's containers run them), wired by URL and
+    shared secret: a memory written through the proxy reaches the next chat's prompt."""
     data_dir = scratch / "data"
-    env = {**os.environ, "IBEX_INTERNAL_SECRET": "s" * 32, "IBEX_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, **UNHURRIED, "IBEX_INTERNAL_SECRET": "s" * 32, "IBEX_LOG_LEVEL": "WARNING"}
     with ibex_dev(data_dir, scratch / "keys.json"):
         token = json.loads((scratch / "keys.json").read_text())["tenants/support-bot-key"]
         headers = {"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": "support-bot"}
         with (
             stage("memory", data_dir, env) as memory_url,
-            stage("proxy", data_dir, {**env, "IBEX_MEMORY_URL": memory_url}) as proxy_url,
+            context_stage({**env, "IBEX_MEMORY_URL": memory_url}) as context_url,
+            stage(
+                "proxy", data_dir, {**env, "IBEX_MEMORY_URL": memory_url, "IBEX_CONTEXT_URL": context_url}
+            ) as proxy_url,
         ):
             async with ClientSession() as http:
                 body = {"content": "The customer prefers e-mail over phone calls."}
@@ -173,3 +216,9 @@ async def test_stages_run_as_separate_processes_over_ibex_devs_stores(scratch: P
                     created = (await r.json())["memory"]["id"]
                 async with http.get(proxy_url + f"/v1/memories/{created}", headers=headers) as r:
                     assert r.status == 200, await r.text()
+                question = {"model": "echo", "messages": [{"role": "user", "content": "How do we reach the customer?"}]}
+                async with http.post(proxy_url + "/v1/chat/completions", json=question, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["X-IBEX-Memories-Injected"] == "1"
+                    echoed = json.loads((await r.json())["choices"][0]["message"]["content"])
+                assert f'id="{created}">The customer prefers e-mail over phone calls.</memory>' in echoed[-1]["content"]
