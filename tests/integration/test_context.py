@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from uuid import uuid4
 
 from aiohttp import web
 from openai import AsyncOpenAI
@@ -261,3 +262,49 @@ async def test_a_stopped_context_stage_degrades_to_directive_only_and_the_trace_
     assert rows, "no trace row"
     degraded, reasons = rows[0]
     assert degraded == 1 and any(r.startswith("context:") for r in reasons)
+
+
+async def test_late_branches_are_cancelled_completed_ones_kept_and_no_task_leaks(settings: Settings) -> None:
+    import aiohttp
+
+    from ibex_dataplane.context.memory_client import MemoryStageClient
+    from ibex_dataplane.context.metrics import ContextMetrics
+    from ibex_dataplane.context.service import (
+        AssemblyRequest,
+        BranchStatus,
+        ContextService,
+        ContextTuning,
+        Degradation,
+        Directive,
+    )
+    from ibex_dataplane.providers.catalog import ModelCatalog
+    from ibex_dataplane.security.principal import Principal, PrincipalSigner, grpc_target
+
+    async with hanging_memory_stage() as (url, asked), aiohttp.ClientSession() as http:
+        memory = MemoryStageClient(http, url, PrincipalSigner(b"a-test-secret-of-32-bytes-length"))
+        service = ContextService(ModelCatalog.builtin(), memory, ContextTuning(deadline=0.05), ContextMetrics())
+        caller = Principal(
+            uuid4(), uuid4(), frozenset({"chat"}), "r", time.time() + 10, grpc_target("/ibex.context.v1.X/Y")
+        )
+        before = {t for t in asyncio.all_tasks() if not t.done()}
+        assembly = await service.assemble(
+            caller,
+            AssemblyRequest(
+                model="echo",
+                messages=[{"role": "user", "content": "what tea?"}],
+                directive=Directive(1, "Be brief.", "SystemFirst"),
+            ),
+            timeout=None,
+        )
+        await asyncio.sleep(0)  # let cancelled transports finish their callbacks
+        # Tasks of the stand-in server itself (its request handlers, still hanging) are not the service's.
+        leaked = {
+            t for t in asyncio.all_tasks()
+            if not t.done() and not getattr(t.get_coro(), "__qualname__", "").startswith("RequestHandler.")
+        } - before - {asyncio.current_task()}  # fmt: skip
+    statuses = {b.name: b.status for b in assembly.branches}
+    assert statuses == {"directive": BranchStatus.SUCCESS, "hot": BranchStatus.TIMEOUT, "cold": BranchStatus.TIMEOUT}
+    assert assembly.degradation is Degradation.HISTORY_ONLY
+    assert assembly.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "what tea?"}]
+    assert sorted(asked) == ["/v1/memories/search", "/v1/memories:hot"]
+    assert not leaked, leaked

@@ -72,6 +72,7 @@ class ContextStage:
             connector=aiohttp.TCPConnector(limit=200), timeout=aiohttp.ClientTimeout(total=30)
         )
         memory = MemoryStageClient(self._session, self._memory_url, self._signer)
+        await memory.warm_up()
         self.service = ContextService(self._catalog, memory, tuning_of(self._settings), self.metrics)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         servicer = ContextServicer(self.service, self._signer, self.metrics)

@@ -97,6 +97,14 @@ class MemoryStageClient:
         except orjson.JSONDecodeError as e:
             raise MemoryUnavailable("the memory stage answered a body that is not JSON") from e
 
+    async def warm_up(self) -> None:
+        """Open a pooled connection to the memory stage ahead of the first assembly (best effort)."""
+        try:
+            async with self._session.get(self._base + "/healthz", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+
     async def hot(self, caller: Principal, limit: int) -> list[Hit]:
         return _hits(await self._call(caller, "GET", _HOT, query=f"?limit={int(limit)}"))
 

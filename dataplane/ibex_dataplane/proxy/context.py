@@ -70,6 +70,9 @@ class ContextClient:
         if self._target:
             self._channel = grpc.aio.insecure_channel(self._target)
             self._stub = pb_grpc.ContextAssemblyStub(self._channel)  # type: ignore[no-untyped-call]
+            # Start connecting now, without waiting (the stage may start after the proxy): the first request
+            # should not pay for the connection under its tight deadline.
+            self._channel.get_state(try_to_connect=True)
 
     async def close(self) -> None:
         if self._channel is not None:
