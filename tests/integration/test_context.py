@@ -228,7 +228,7 @@ async def test_a_context_stage_slower_than_its_deadline_degrades_and_the_chat_st
                 seen, headers = await chat(ai(slow, t), "Which tea does the customer like best?")
         finally:
             await context.stop()
-    assert sorted(asked) == ["/v1/memories/search", "/v1/memories:hot"]  # both branches ran, then were cut off
+    assert sorted(p for p in asked if p != "/healthz") == ["/v1/memories/search", "/v1/memories:hot"]  # both cut off
     assert seen == [
         {"role": "system", "content": "Be brief. (alpha)"},
         {"role": "user", "content": "Which tea does the customer like best?"},

@@ -53,6 +53,7 @@ async def stage(settings: Settings) -> AsyncIterator[tuple[ContextStage, list[st
             catalog=ModelCatalog.builtin(), memory_url=url, secret=SECRET, host="127.0.0.1", port=0, health_port=0,
         )  # fmt: skip
         await running.start()
+        asked.clear()  # the stage's warm-up connection at start is not a retrieval
         try:
             yield running, asked
         finally:

@@ -100,7 +100,7 @@ class MemoryStageClient:
     async def warm_up(self) -> None:
         """Open a pooled connection to the memory stage ahead of the first assembly (best effort)."""
         try:
-            async with self._session.get(self._base + "/healthz", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            async with self._session.get(self._base + "/healthz", timeout=aiohttp.ClientTimeout(total=0.5)) as r:
                 await r.read()
         except (aiohttp.ClientError, TimeoutError):
             pass

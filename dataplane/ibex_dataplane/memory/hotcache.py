@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.store.keys import TenantKeys
-from ibex_dataplane.store.redis import REDIS_DOWN, unavailable
+from ibex_dataplane.store.redis import redis_errors
 
 DEFAULT_SIZE = 200
 # A memory's value moves it up by at most this much, in seconds: a very useful, confident memory ranks like one
@@ -46,7 +46,7 @@ class HotCache:
         removed = [str(i) for i in gone]
         if not scores and not removed:
             return
-        try:
+        with redis_errors():
             async with self._redis.pipeline(transaction=True) as pipe:
                 if scores:
                     pipe.zadd(key, scores)
@@ -54,15 +54,11 @@ class HotCache:
                     pipe.zrem(key, *removed)
                 pipe.zremrangebyrank(key, 0, -(self._size + 1))
                 await pipe.execute()
-        except REDIS_DOWN as e:
-            raise unavailable(e) from e
 
     async def ids(self, tenant: Tenant, limit: int) -> list[UUID]:
         """The ``limit`` highest-scoring ids, best first (members that are not ids are ignored)."""
-        try:
+        with redis_errors():
             raw: Sequence[Any] = await self._redis.zrevrange(self.key(tenant), 0, max(limit, 1) - 1)
-        except REDIS_DOWN as e:
-            raise unavailable(e) from e
         found: list[UUID] = []
         for member in raw:
             try:
@@ -74,7 +70,5 @@ class HotCache:
     async def remove(self, tenant: Tenant, ids: Sequence[UUID]) -> None:
         if not ids:
             return
-        try:
+        with redis_errors():
             await self._redis.zrem(self.key(tenant), *(str(i) for i in ids))
-        except REDIS_DOWN as e:
-            raise unavailable(e) from e

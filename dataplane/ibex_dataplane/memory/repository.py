@@ -29,8 +29,7 @@ from ibex_dataplane.memory.models import (
     Tenant,
 )
 from ibex_dataplane.memory.validation import ListQuery
-from ibex_dataplane.store.errors import StoreUnavailable
-from ibex_dataplane.store.postgres import CONNECTION_ERRORS, Database
+from ibex_dataplane.store.postgres import Database, postgres_errors
 
 HOT_SYNC = "memory.hot_sync"
 OUTBOX_KINDS = (HOT_SYNC,)
@@ -236,11 +235,9 @@ class MemoryRepository:
     @asynccontextmanager
     async def transaction(self, tenant: Tenant, *, readonly: bool = False) -> AsyncIterator[asyncpg.Connection]:
         """A tenant transaction (org and agent set for row-level security); connection errors become 503s."""
-        try:
+        with postgres_errors():
             async with self._db.tenant(tenant.org_id, tenant.agent_id, readonly=readonly) as conn:
                 yield conn
-        except CONNECTION_ERRORS as e:
-            raise StoreUnavailable("postgres", type(e).__name__) from e
 
     # -- write path ----------------------------------------------------------------------------------------------
 
@@ -440,15 +437,13 @@ class MemoryRepository:
     async def lease_outbox(self, limit: int, lease: float) -> list[asyncpg.Record]:
         """Due outbox rows of every org (through the narrow SECURITY DEFINER lease function)."""
         async with self._db.unscoped() as conn:
-            try:
+            with postgres_errors():
                 rows: list[asyncpg.Record] = await conn.fetch(
                     "SELECT * FROM ibex_outbox_lease($1::text[], $2, $3::interval)",
                     list(OUTBOX_KINDS),
                     limit,
                     timedelta(seconds=lease),
                 )
-            except CONNECTION_ERRORS as e:
-                raise StoreUnavailable("postgres", type(e).__name__) from e
         return rows
 
     async def outbox_done(self, org_id: UUID, ids: Sequence[int]) -> None:
@@ -472,12 +467,10 @@ class MemoryRepository:
 
     async def housekeeping(self, *, outbox_age: float, limit: int = 1000) -> int:
         async with self._db.unscoped() as conn:
-            try:
+            with postgres_errors():
                 removed: int = await conn.fetchval(
                     "SELECT ibex_memory_housekeeping($1::interval, $2)", timedelta(seconds=outbox_age), limit
                 )
-            except CONNECTION_ERRORS as e:
-                raise StoreUnavailable("postgres", type(e).__name__) from e
         return removed
 
     async def _ann_settings(self, conn: asyncpg.Connection) -> None:

@@ -21,11 +21,9 @@ from uuid import UUID
 
 import asyncpg
 
-from ibex_dataplane.store.errors import StoreUnavailable
-from ibex_dataplane.store.postgres import CONNECTION_ERRORS, Database
+from ibex_dataplane.store.postgres import Database, postgres_errors
 
 # "Not reachable" also covers a server shutting down under us (57P01 ...) and statement timeouts (57014).
-UNAVAILABLE: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, asyncpg.OperatorInterventionError)
 
 # The hot path uses the one-statement *_as entry points of migration 0009 (through Database.call_as): the tenant
 # is set inside the statement, so the hot budget rows stay locked for one round trip instead of until a COMMIT.
@@ -104,17 +102,13 @@ class BudgetRepository:
         self, org_id: UUID, agent_id: UUID | None = None, *, readonly: bool = False
     ) -> AsyncIterator[asyncpg.Connection]:
         # Database.tenant wraps failures to connect and to begin; a connection lost mid-statement surfaces here.
-        try:
+        with postgres_errors():
             async with self._db.tenant(org_id, agent_id, readonly=readonly) as conn:
                 yield conn
-        except UNAVAILABLE as e:
-            raise StoreUnavailable("postgres", type(e).__name__) from e
 
     async def _call_as(self, org_id: UUID, agent_id: UUID, sql: str, *args: object) -> asyncpg.Record | None:
-        try:
+        with postgres_errors():
             return await self._db.call_as(org_id, agent_id, sql, *args)
-        except UNAVAILABLE as e:
-            raise StoreUnavailable("postgres", type(e).__name__) from e
 
     async def place_hold(
         self,
@@ -174,9 +168,7 @@ class BudgetRepository:
 
     async def sweep_expired(self, limit: int) -> int:
         """Expire up to ``limit`` overdue holds across every org in one transaction; returns how many."""
-        try:
+        with postgres_errors():
             async with self._db.unscoped() as conn:
                 swept = await conn.fetchval(_SWEEP, limit)
-        except UNAVAILABLE as e:
-            raise StoreUnavailable("postgres", type(e).__name__) from e
         return int(swept)

@@ -22,7 +22,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from ibex_dataplane.store.redis import REDIS_DOWN, unavailable
+from ibex_dataplane.store.redis import redis_errors
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +81,16 @@ class TieredCache(Generic[T]):
             return entry.value
         epoch = (self._epochs.get(version_key, 0), self._global_epoch)
         prefix = version_key + ":v"
-        try:
+        with redis_errors():
             version, raw = await self._read(keys=[version_key], args=[prefix])
-        except REDIS_DOWN as e:
-            raise unavailable(e) from e
         if raw is not None:
             try:
                 return self._remember(version_key, epoch, self._decode(raw))
             except (ValueError, KeyError, TypeError):
                 pass  # written by another version of the codec: reload and overwrite it
         value = await load()
-        try:
+        with redis_errors():
             await self._redis.set(prefix + version.decode(), self._encode(value), ex=self._redis_ttl)
-        except REDIS_DOWN as e:
-            raise unavailable(e) from e
         return self._remember(version_key, epoch, value)
 
     def _remember(self, version_key: str, epoch: tuple[int, int], value: T) -> T:

@@ -17,8 +17,8 @@ from pathlib import Path
 import asyncpg
 
 from ibex_dataplane.store.clickhouse import ClickHouse
-from ibex_dataplane.store.errors import MigrationError, StoreUnavailable
-from ibex_dataplane.store.postgres import CONNECTION_ERRORS
+from ibex_dataplane.store.errors import MigrationError
+from ibex_dataplane.store.postgres import postgres_errors
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,8 @@ def discover(folder: Path) -> list[Migration]:
 async def migrate_postgres(admin_dsn: str, folder: Path) -> list[int]:
     """Apply pending Postgres migrations; returns the versions applied now."""
     migrations = discover(folder)
-    try:
+    with postgres_errors():
         conn = await asyncpg.connect(admin_dsn, timeout=10)
-    except CONNECTION_ERRORS as e:
-        raise StoreUnavailable("postgres", type(e).__name__) from e
     applied_now: list[int] = []
     try:
         await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_ID)

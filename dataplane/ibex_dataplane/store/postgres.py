@@ -9,8 +9,8 @@ connection this yields and own their SQL.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from uuid import UUID
 
 import asyncpg
@@ -28,6 +28,16 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.TooManyConnectionsError,
     asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, crash shutdown, cannot connect now
 )
+
+
+@contextmanager
+def postgres_errors() -> Iterator[None]:
+    """Inside: a lost or unreachable database surfaces as :class:`StoreUnavailable` (the edges answer 503)."""
+    try:
+        yield
+    except CONNECTION_ERRORS as e:
+        raise StoreUnavailable("postgres", type(e).__name__) from e
+
 
 _SET_SCOPE = "SELECT set_config('app.org_id', $1, true), set_config('app.agent_id', $2, true)"
 
@@ -52,7 +62,7 @@ async def create_pool(
     dsn: str, *, min_size: int = 2, max_size: int = 10, application_name: str = "ibex", timeout: float = 10.0
 ) -> asyncpg.Pool:
     """Open a pool; raises StoreUnavailable when Postgres cannot be reached."""
-    try:
+    with postgres_errors():
         pool: asyncpg.Pool = await asyncpg.create_pool(
             dsn,
             min_size=min_size,
@@ -63,8 +73,6 @@ async def create_pool(
             command_timeout=30,
             server_settings={"application_name": application_name},
         )
-    except CONNECTION_ERRORS as e:
-        raise StoreUnavailable("postgres", type(e).__name__) from e
     return pool
 
 
@@ -86,18 +94,14 @@ class Database:
         """A transaction acting for one org (and optionally one agent): RLS applies to everything inside."""
         if not isinstance(org_id, UUID):
             raise TypeError("tenant transactions need the org id as a UUID")
-        try:
+        with postgres_errors():
             conn_cm = self._pool.acquire(timeout=self._acquire_timeout)
             conn = await conn_cm.__aenter__()
-        except CONNECTION_ERRORS as e:
-            raise StoreUnavailable("postgres", type(e).__name__) from e
         try:
-            try:
+            with postgres_errors():
                 tx = conn.transaction(readonly=readonly)
                 await tx.start()
                 await conn.execute(_SET_SCOPE, str(org_id), str(agent_id) if agent_id else "")
-            except CONNECTION_ERRORS as e:
-                raise StoreUnavailable("postgres", type(e).__name__) from e
             try:
                 yield conn
             except BaseException:
@@ -105,10 +109,8 @@ class Database:
                     await tx.rollback()
                 raise
             else:
-                try:
+                with postgres_errors():
                     await tx.commit()
-                except CONNECTION_ERRORS as e:
-                    raise StoreUnavailable("postgres", type(e).__name__) from e
         finally:
             await conn_cm.__aexit__(None, None, None)
 
@@ -124,12 +126,10 @@ class Database:
             raise TypeError("call_as needs UUIDs")
         if "$1" not in sql or "$2" not in sql:
             raise ValueError("call_as statements pass the org as $1 and the agent as $2")
-        try:
+        with postgres_errors():
             async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
                 row: asyncpg.Record | None = await conn.fetchrow(sql, org_id, agent_id, *args)
                 return row
-        except CONNECTION_ERRORS as e:
-            raise StoreUnavailable("postgres", type(e).__name__) from e
 
     @asynccontextmanager
     async def unscoped(self) -> AsyncIterator[asyncpg.Connection]:
@@ -137,18 +137,14 @@ class Database:
 
         Only for what runs before the tenant is known (the SECURITY DEFINER key lookup) and for health checks.
         """
-        try:
+        with postgres_errors():
             async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
                 yield conn
-        except CONNECTION_ERRORS as e:
-            raise StoreUnavailable("postgres", type(e).__name__) from e
 
     async def ping(self) -> None:
         async with self.unscoped() as conn:
-            try:
+            with postgres_errors():
                 await conn.fetchval("SELECT 1", timeout=2)
-            except CONNECTION_ERRORS as e:
-                raise StoreUnavailable("postgres", type(e).__name__) from e
 
     async def close(self) -> None:
         await self._pool.close()

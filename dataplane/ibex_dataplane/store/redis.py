@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -31,8 +34,15 @@ def unavailable(e: BaseException) -> StoreUnavailable:
     return StoreUnavailable("redis", type(e).__name__)
 
 
-async def ping(client: aioredis.Redis) -> None:
+@contextmanager
+def redis_errors() -> Iterator[None]:
+    """Inside: an unreachable or timed-out Redis surfaces as :class:`StoreUnavailable` (the edges answer 503)."""
     try:
-        await client.ping()
+        yield
     except REDIS_DOWN as e:
         raise unavailable(e) from e
+
+
+async def ping(client: aioredis.Redis) -> None:
+    with redis_errors():
+        await client.ping()
