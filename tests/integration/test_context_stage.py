@@ -24,14 +24,25 @@ ASSEMBLE = "/ibex.context.v1.ContextAssembly/Assemble"
 SECRET = secrets.token_bytes(32)
 
 
+def hit(i: int, words: int = 12) -> dict[str, object]:
+    """A search hit as the memory stage answers it (wire shape of section 9.5)."""
+    memory = {"id": str(uuid.UUID(int=i + 1)), "content": f"memory {i}: " + "tea " * words, "valid_from": None}
+    components = {"relevance": 0.9, "recency": 0.5, "usefulness": 0.5, "confidence": 1.0, "frequency": 0.0}
+    return {"memory": memory, "score": 0.9 - i / 100, "components": components, "matched_by": "both"}
+
+
+SEARCH_HITS: list[dict[str, object]] = []
+
+
 @asynccontextmanager
 async def recording_memory_stage() -> AsyncIterator[tuple[str, list[str]]]:
-    """Stands in for the memory stage: answers every call with no hits and records what it was asked."""
+    """Stands in for the memory stage: answers searches with SEARCH_HITS (else nothing) and records every call."""
     asked: list[str] = []
 
     async def answer(request: web.Request) -> web.Response:
         asked.append(f"{request.method} {request.path}")
-        return web.json_response({"results": []})
+        results = SEARCH_HITS if request.path == "/v1/memories/search" else []
+        return web.json_response({"results": results})
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer)
@@ -149,3 +160,25 @@ async def test_the_stage_serves_health_and_metrics(stage: tuple[ContextStage, li
             text = await r.text()
     assert 'ibex_context_branch_outcomes_total{branch="cold",status="success"} 1.0' in text
     assert 'ibex_context_assemblies_total{degradation="none"} 1.0' in text
+
+
+async def test_max_memories_and_the_agents_token_cap_bound_what_is_placed(
+    stage: tuple[ContextStage, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running, _ = stage
+    monkeypatch.setattr(f"{__name__}.SEARCH_HITS", [hit(i) for i in range(8)])
+    token = PrincipalSigner(SECRET).sign(principal())
+    capped = request()
+    capped.options.max_memories = 3
+    response = await call(running, capped, PrincipalSigner(SECRET).sign(principal()))
+    assert [m.id for m in response.memories] == [str(uuid.UUID(int=i + 1)) for i in range(3)]  # best first
+    assert all(m.source == "cold" and m.components.relevance == 0.9 for m in response.memories)
+    assert response.tokens.memories == sum(m.tokens for m in response.memories) > 0
+
+    small = request()
+    small.limits.context_tokens = 250  # room for a couple of entries only, and constrained (< 256 usable)
+    response = await call(running, small, token)
+    assert response.packing.constrained and response.packing.budget_reached
+    assert response.tokens.usable == 250 and response.tokens.memories <= 250
+    assert 0 < len(response.memories) < 8
+    assert response.packing.excluded_for_budget == 8 - len(response.memories)
