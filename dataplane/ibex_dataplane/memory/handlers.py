@@ -28,6 +28,7 @@ from ibex_dataplane.shared.errors import (
     Forbidden,
     InvalidJson,
     ServiceError,
+    ValidationFailed,
     error_body,
 )
 from ibex_dataplane.shared.http import request_id_of
@@ -39,6 +40,7 @@ from ibex_dataplane.shared.idempotency import (
     fingerprint,
     idempotency_key_of,
 )
+from ibex_dataplane.shared.input import nul_path
 
 READ, WRITE, DELETE, INTERNAL = "memory:read", "memory:write", "memory:delete", "memory:internal"
 # The context stage's own scope: hot memories, search without retrieval bookkeeping, and reporting what it placed.
@@ -86,9 +88,15 @@ class MemoryHandlers:
     async def _body(request: web.Request) -> Any:
         raw = await request.read()
         try:
-            return orjson.loads(raw) if raw else None
+            body = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:
             raise InvalidJson("the request body is not valid JSON") from None
+        where = nul_path(body)
+        if where is not None:
+            raise ValidationFailed(
+                "strings must not contain NUL characters", field_errors=[{"field": where, "message": "contains NUL"}]
+            )
+        return body
 
     @staticmethod
     async def _within_deadline(principal: Principal, work: Awaitable[Any]) -> Any:

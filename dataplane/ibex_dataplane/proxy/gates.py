@@ -31,7 +31,7 @@ from ibex_dataplane.store.errors import StoreUnavailable
 
 AGENT_HEADER = "X-IBEX-Agent-ID"
 SESSION_HEADER = "X-IBEX-Session-ID"
-_SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 @dataclass
@@ -205,7 +205,7 @@ def session_id_of(request: web.Request) -> str:
     supplied = request.headers.get(SESSION_HEADER)
     if supplied is None or supplied == "":
         return f"sess_{uuid.uuid4().hex}"
-    if not _SESSION_ID.fullmatch(supplied):
+    if not SESSION_ID.fullmatch(supplied):
         raise ApiError(
             400, "VALIDATION_ERROR", "invalid session id",
             field_errors=[{"field": f"header {SESSION_HEADER}", "message": "must match ^[A-Za-z0-9._:-]{1,128}$"}],

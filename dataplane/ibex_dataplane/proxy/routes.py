@@ -9,7 +9,7 @@ from aiohttp import web
 
 from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.proxy.analytics import GROUPINGS, usage_report
-from ibex_dataplane.proxy.gates import GatePipeline, GateState
+from ibex_dataplane.proxy.gates import SESSION_ID, GatePipeline, GateState
 from ibex_dataplane.proxy.policy import PolicyService
 from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.shared.errors import ApiError
@@ -86,7 +86,10 @@ class ProtectedRoutes:
         caller = state.require_caller()
         _, agent = state.require_agent()
         session_id = request.match_info["session_id"]
-        if len(session_id) > 128 or not await self._sessions.terminate(caller.org_id, agent.id, session_id):
+        # An id no session can have (the header's own rule) is simply no such session, before any query.
+        if not SESSION_ID.fullmatch(session_id) or not await self._sessions.terminate(
+            caller.org_id, agent.id, session_id
+        ):
             raise ApiError(404, "NOT_FOUND", "no such active session")
         return web.json_response({"id": session_id, "status": "closed"})
 
