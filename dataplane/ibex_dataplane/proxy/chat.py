@@ -71,6 +71,7 @@ class ChatPlan:
     client_messages: list[dict[str, Any]] = field(default_factory=list)  # as sent, before any injection
     context: ContextOutcome = field(default_factory=ContextOutcome)
     rate_window: int | None = None
+    rate_admitted: bool = False  # the rate limiter charged charged_tokens for this request
     # What the handoff produced, for the trace:
     claim: Claim | None = None  # Idempotency-Key claim of a non-streaming request
     usage: Usage | None = None
@@ -176,6 +177,7 @@ def rate_limit(limiter: RateLimiter) -> Any:
         plan.charged_tokens = plan.prompt_tokens + plan.max_output
         decision = await limiter.admit(caller.org_id, agent.id, plan.limits, plan.charged_tokens)
         plan.rate_window = decision.window
+        plan.rate_admitted = decision.allowed and not decision.oversized
         state.response_headers.update(decision.headers())
         if decision.oversized:
             raise ApiError(
@@ -324,6 +326,7 @@ class ChatHandler:
                 await self._pipeline.run(state)
             except Replay as replay:
                 status = replay.stored.status
+                self._refund_tokens(state)  # the stored answer is served again: no provider tokens this time
                 return web.Response(
                     status=replay.stored.status, body=replay.stored.body,
                     headers={**replay.stored.headers, **state.response_headers, REPLAYED_HEADER: "true"},
@@ -336,6 +339,7 @@ class ChatHandler:
                         self._s.background.spawn("release", self._s.budgets.release(plan.hold))
                     if plan.claim is not None:  # nothing ran: let a retry with the same key run again
                         self._s.background.spawn("abandon", self._s.idempotency.abandon(plan.claim))
+                self._refund_tokens(state)  # refused after admission: retries must not burn the token window
                 status, error_code = e.status, e.code
                 raise
             plan = _plan(state)
@@ -357,6 +361,21 @@ class ChatHandler:
             raise
         finally:
             self._trace(state, status, error_code)
+
+    def _refund_tokens(self, state: GateState) -> None:
+        """Give back the TPM charge of a request the rate limiter admitted but that never reached a provider."""
+        plan = state.extra.get("chat")
+        if not isinstance(plan, ChatPlan) or not plan.rate_admitted or not plan.charged_tokens:
+            return
+        plan.rate_admitted = False
+        caller = state.require_caller()
+        _, agent = state.require_agent()
+        self._s.background.spawn(
+            "tpm",
+            self._s.rate_limiter.adjust_tokens(
+                caller.org_id, agent.id, plan.limits, -plan.charged_tokens, window=plan.rate_window
+            ),
+        )
 
     async def _finalize(self, claim: Claim, response: web.StreamResponse) -> None:
         """Record the answer under the idempotency key before returning it; a provider failure frees the key."""
