@@ -35,7 +35,7 @@ def test_a_turn_becomes_the_write_a_client_would_send() -> None:
     body = conversation.turns[5].write_body()
     assert body["content"] == "Bruno: A teapot, glazed in cobalt blue. (shares a photo: a photo of a blue teapot)"
     assert body["valid_from"] == "2021-04-17T18:40:00+00:00"
-    assert body["observed_at"] == "2021-04-17T18:40:02+00:00"  # third turn of the session
+    assert body["observed_at"] == "2021-04-17T18:42:00+00:00"  # third turn of the session
     assert body["session_id"] == "session-2"
     assert body["metadata"]["dia_id"] == "D2:3"
 

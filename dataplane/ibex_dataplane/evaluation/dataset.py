@@ -2,9 +2,9 @@
 
 Owns the file format (a JSON list of samples with ``conversation`` and ``qa``; see docs/retrieval.md) and the one
 decision of how a turn becomes a memory: content ``"<speaker>: <text>"`` (plus the caption of a shared photo),
-``valid_from`` the session's date and time, ``observed_at`` that instant plus the turn's position in seconds (turns
-are said one after the other), ``session_id`` the session, and the turn id in ``metadata.dia_id``. Pure; called by
-:mod:`ibex_dataplane.evaluation.locomo`.
+``valid_from`` the session's date and time, ``observed_at`` that instant plus one minute per turn before it (the
+format dates sessions only; turns of a chat come about a minute apart), ``session_id`` the session, and the turn
+id in ``metadata.dia_id``. Pure; called by :mod:`ibex_dataplane.evaluation.locomo`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import orjson
 QUESTION_CATEGORIES = (1, 2, 3, 4)  # multi-hop, temporal, open-domain, single-hop; 5 (adversarial) has no evidence
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 
+TURN_SPACING = timedelta(minutes=1)
 _SESSION = re.compile(r"^session_(\d+)$")
 _DATE_FORMATS = ("%I:%M %p on %d %B, %Y", "%I:%M %p on %d %b, %Y", "%I:%M %p on %B %d, %Y")
 _EVIDENCE_SPLIT = re.compile(r"[;,\s]+")
@@ -56,7 +57,7 @@ class Turn:
         }
         if self.said_at is not None:
             body["valid_from"] = self.said_at.isoformat()
-            body["observed_at"] = (self.said_at + timedelta(seconds=self.position)).isoformat()
+            body["observed_at"] = (self.said_at + TURN_SPACING * self.position).isoformat()
         return body
 
 

@@ -31,7 +31,7 @@ from ibex_dataplane.evaluation.dataset import CATEGORY_NAMES, Conversation, Ques
 DEFAULT_KS = (1, 5, 10, 20)
 BATCH_SIZE = 100  # the route's maximum
 MAX_SEARCH_LIMIT = 50
-INGEST_CONCURRENCY = 1  # batches in flight
+INGEST_CONCURRENCY = 2  # batches in flight: PII checks and embedding of two batches overlap
 
 
 @dataclass(frozen=True, slots=True)
