@@ -187,11 +187,17 @@ def _search_sql(statuses: str, history: str) -> str:
     SELECT h.similarity, h.text_score, h.text_terms, x.*
       FROM hits h
      CROSS JOIN LATERAL (
-        SELECT {_COLUMNS} FROM memories m
-         WHERE m.id = h.id AND m.org_id = $1 AND m.agent_id = $2 {filters}
-        OFFSET 0  -- keeps the subquery per hit (a primary-key lookup), never a hash join over the whole table
+        SELECT {_COLUMNS}
+          FROM (SELECT * FROM memories m WHERE m.id = h.id OFFSET 0) m
+         WHERE m.org_id = $1 AND m.agent_id = $2 {filters}
+        OFFSET 0  -- keeps the subquery per hit, never a hash join over the whole table
      ) x
     """
+
+
+# The inner `OFFSET 0` keeps the filters out of the lookup: with them, on a table not yet analyzed, the planner
+# prefers walking the agent's part of the partial unique index (org, agent, hash; WHERE active) for every hit
+# (measured: 0.18 ms per hit, 15 ms for 80 hits) to the primary key.
 
 
 _SEARCH_CURRENT = _search_sql("= 'active'", "false")

@@ -63,7 +63,7 @@ class SearchTuning:
     frequency_half_saturation: float = 5.0  # retrieval_count at which the frequency component reaches 0.5
     ann_candidates: int = 40
     text_candidates: int = 60
-    text_term_rows: int = 1000  # memories read per query term for BM25 document frequencies
+    text_term_rows: int = 400  # memories read per query term for BM25 document frequencies
     text_population: int = 20000  # memories counted for BM25 idf
     vector_weight: float = 0.30
     text_weight: float = 0.70
