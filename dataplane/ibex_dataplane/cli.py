@@ -4,6 +4,7 @@ Subcommands:
 - ``ibex dev``: embedded stores, migrations, local tenant manifests, API keys, the data plane (proxy, memory and
   context stages); Ctrl-C stops it all.
 - ``ibex proxy`` / ``ibex memory`` / ``ibex context``: one data-plane stage as its own process.
+- ``ibex eval locomo FILE``: evidence recall of the public memory search on fresh embedded stores.
 - ``ibex migrate``: apply pending Postgres and ClickHouse migrations to the configured stores.
 - ``ibex operator``: the kopf operator that reconciles the four custom resources into the stores.
 """
@@ -20,7 +21,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -70,9 +71,73 @@ def _write_keys(path: Path, keys: dict[str, str]) -> None:
     tmp.replace(path)
 
 
-async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: EmbeddedRuntime, started: float) -> int:
+async def _migrated_stores(runtime: EmbeddedRuntime, settings: Settings) -> Stores:
+    """Migrate the embedded stores, then open every client (with the privileged pool, for reconcile)."""
+    urls = StoreUrls.from_runtime(runtime.info)
+    clickhouse = ClickHouse(urls.clickhouse_url)
+    try:
+        await migrate_all(urls, settings, clickhouse)
+    finally:
+        await clickhouse.close()
+    return await Stores.open(urls, settings, admin=True)
+
+
+@contextlib.asynccontextmanager
+async def _data_plane(settings: Settings, stores: Stores, pepper: bytes, host: str, port: int) -> AsyncIterator[str]:
+    """The memory and context stages and the proxy in this process, as `ibex dev` runs them; yields the proxy's
+    base URL."""
     from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder
     from ibex_dataplane.pii.redactor import PiiRedactor
+
+    # The memory stage on a free local port; the proxy reaches it with principals signed by a per-run secret.
+    embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages)
+    redactor: PiiRedactor | None = None
+    memory_runner: web.AppRunner | None = None
+    context: ContextStage | None = None
+    runner: web.AppRunner | None = None
+    try:
+        redactor = await asyncio.to_thread(
+            PiiRedactor, threshold=settings.pii_threshold, enable_ner=settings.pii_enable_ner
+        )
+        secret = (
+            settings.internal_secret.get_secret_value().encode()
+            if settings.internal_secret
+            else secrets.token_bytes(32)
+        )
+        memory_app = create_memory_app(settings, stores, embedder=embedder, redactor=redactor, secret=secret)
+        memory_runner = web.AppRunner(memory_app, access_log=None, handle_signals=False)
+        await memory_runner.setup()
+        await web.TCPSite(memory_runner, settings.memory_host, 0).start()
+        memory_url = f"http://{settings.memory_host}:{memory_runner.addresses[0][1]}"
+        # The context stage (gRPC) on a free local port too, reaching the memory stage the same way.
+        context = ContextStage(
+            settings, catalog=_catalog(settings), memory_url=memory_url, secret=secret, host=settings.context_host,
+            port=0,
+        )  # fmt: skip
+        await context.start()
+
+        app = create_app(
+            settings, stores, pepper=pepper, memory_url=memory_url, context_url=context.address,
+            principal_signer=PrincipalSigner(secret),
+        )  # fmt: skip
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        yield f"http://{host}:{bound}"
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if context is not None:
+            await context.stop()
+        if memory_runner is not None:
+            await memory_runner.cleanup()
+        if redactor is not None:
+            redactor.close()
+        embedder.close()
+
+
+async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: EmbeddedRuntime, started: float) -> int:
     from ibex_operator.manifests import ManifestError, apply_manifests, load_manifests
     from ibex_operator.models import ApiKey
     from ibex_operator.reconcile import Reconciler
@@ -85,18 +150,7 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
         print(f"ibex dev: invalid manifest: {e}", file=sys.stderr)
         return 2
 
-    urls = StoreUrls.from_runtime(runtime.info)
-    clickhouse = ClickHouse(urls.clickhouse_url)
-    try:
-        await migrate_all(urls, settings, clickhouse)
-    finally:
-        await clickhouse.close()
-    stores = await Stores.open(urls, settings, admin=True)
-    runner: web.AppRunner | None = None
-    memory_runner: web.AppRunner | None = None
-    context: ContextStage | None = None
-    embedder: OnnxMiniLMEmbedder | None = None
-    redactor: PiiRedactor | None = None
+    stores = await _migrated_stores(runtime, settings)
     try:
         assert stores.admin_pool is not None
         pepper = (
@@ -124,54 +178,12 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
         for ref, token in sorted(keys.items()):
             print(f"  {ref}: {token}")
 
-        # The memory stage on a free local port; the proxy reaches it with principals signed by a per-run secret.
-        embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages)
-        redactor = await asyncio.to_thread(
-            PiiRedactor, threshold=settings.pii_threshold, enable_ner=settings.pii_enable_ner
-        )
-        secret = (
-            settings.internal_secret.get_secret_value().encode()
-            if settings.internal_secret
-            else secrets.token_bytes(32)
-        )
-        memory_app = create_memory_app(settings, stores, embedder=embedder, redactor=redactor, secret=secret)
-        memory_runner = web.AppRunner(memory_app, access_log=None, handle_signals=False)
-        await memory_runner.setup()
-        await web.TCPSite(memory_runner, settings.memory_host, 0).start()
-        memory_url = f"http://{settings.memory_host}:{memory_runner.addresses[0][1]}"
-        # The context stage (gRPC) on a free local port too, reaching the memory stage the same way.
-        context = ContextStage(
-            settings, catalog=_catalog(settings), memory_url=memory_url, secret=secret, host=settings.context_host,
-            port=0,
-        )  # fmt: skip
-        await context.start()
-
-        app = create_app(
-            settings, stores, pepper=pepper, memory_url=memory_url, context_url=context.address,
-            principal_signer=PrincipalSigner(secret),
-        )  # fmt: skip
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
-        port = runner.addresses[0][1] if runner.addresses else args.port
-        base_url = f"http://{args.host}:{port}"
-        print(f"ibex dev ready in {time.monotonic() - started:.1f}s: {base_url} (Ctrl-C to stop)", flush=True)
-
-        await _wait_for_signal()
+        async with _data_plane(settings, stores, pepper, args.host, args.port) as base_url:
+            print(f"ibex dev ready in {time.monotonic() - started:.1f}s: {base_url} (Ctrl-C to stop)", flush=True)
+            await _wait_for_signal()
         print("ibex dev: stopping", flush=True)
         return 0
     finally:
-        if runner is not None:
-            await runner.cleanup()
-        if context is not None:
-            await context.stop()
-        if memory_runner is not None:
-            await memory_runner.cleanup()
-        if redactor is not None:
-            redactor.close()
-        if embedder is not None:
-            embedder.close()
         await stores.close()
 
 
@@ -424,6 +436,93 @@ def cmd_operator(args: argparse.Namespace, settings: Settings) -> int:
     return operator_main(options, settings)
 
 
+async def _eval_locomo(args: argparse.Namespace, settings: Settings, runtime: EmbeddedRuntime) -> int:
+    from ibex_dataplane.evaluation.dataset import load_locomo
+    from ibex_dataplane.evaluation.locomo import Agent, default_progress, evaluate, render_table
+    from ibex_operator.models import AgentSpec, ApiKeySpec, OrganizationSpec
+    from ibex_operator.reconcile import Reconciler
+    from ibex_operator.repository import TenantConfigRepository
+    from ibex_operator.secrets import FileSecretSink
+
+    conversations = load_locomo(Path(args.file))
+    stores = await _migrated_stores(runtime, settings)
+    try:
+        assert stores.admin_pool is not None
+        pepper = secrets.token_bytes(32)
+        sink = FileSecretSink(runtime.data_dir / "secrets.json")
+        reconciler = Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), sink, pepper)
+
+        async def provision(name: str) -> Agent:
+            """A fresh organization, one agent and a memory key for it, through the real reconcile code."""
+            slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")[:40] or "conversation"
+            org = await reconciler.organization("eval", slug, OrganizationSpec(), generation=1)
+            agent_spec = AgentSpec.model_validate({"organizationRef": {"name": slug}})
+            agent = await reconciler.agent("eval", f"{slug}-agent", agent_spec, generation=1)
+            key_spec = ApiKeySpec.model_validate(
+                {
+                    "organizationRef": {"name": slug},
+                    "agentRefs": [{"name": f"{slug}-agent"}],
+                    "scopes": ["memory:read", "memory:write"],
+                    "secretName": f"{slug}-key",
+                }
+            )
+            key = await reconciler.api_key("eval", f"{slug}-key", key_spec, generation=1)
+            token = await sink.read("eval", f"{slug}-key")
+            if not (org.ready and agent.ready and key.ready and token):
+                raise EmbeddedStoreError(f"cannot provision an agent for {name}: {org.reason} {agent.reason}")
+            return Agent(agent.fields["agentId"], token)
+
+        async with _data_plane(settings, stores, pepper, "127.0.0.1", 0) as base_url:
+            report = await evaluate(
+                conversations, base_url, provision, ks=args.k, categories=args.categories,
+                progress=default_progress(),
+            )  # fmt: skip
+    finally:
+        await stores.close()
+    print(json.dumps(report.to_json()) if args.json else render_table(report), flush=True)
+    return 0
+
+
+def cmd_eval_locomo(args: argparse.Namespace, settings: Settings) -> int:
+    """Evidence recall of the public memory search on a LoCoMo-format file, on fresh embedded stores."""
+    import tempfile
+
+    from ibex_dataplane.evaluation.dataset import DatasetError
+    from ibex_dataplane.evaluation.locomo import EvaluationError
+
+    if max(args.k) > 50:
+        print("ibex eval locomo: --k is at most 50 (the search route's largest limit)", file=sys.stderr)
+        return 2
+    # The stages' per-request logs would bury the progress bar; warnings still show.
+    logging.getLogger("ibex_dataplane").setLevel(max(logging.WARNING, logging.getLogger().level))
+    with tempfile.TemporaryDirectory(prefix="ibex-eval-") as tmp:
+        runtime = EmbeddedRuntime(Path(tmp))
+        try:
+            runtime.start()
+            import uvloop
+
+            return uvloop.run(_eval_locomo(args, settings, runtime))
+        except DatasetError as e:
+            print(f"ibex eval locomo: {e}", file=sys.stderr)
+            return 2
+        except (StoreError, EmbeddedStoreError, EvaluationError) as e:
+            print(f"ibex eval locomo: {e}", file=sys.stderr)
+            return 1
+        finally:
+            with contextlib.suppress(Exception):
+                runtime.stop()
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from e
+    if not items or any(i < 1 for i in items):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
+    return items
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ibex", description="IBEX Harness: memory and gateway layer for agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -464,6 +563,16 @@ def build_parser() -> argparse.ArgumentParser:
     issue.add_argument("--name", default=None, help="ApiKey name (default: generated)")
     issue.add_argument("--data-dir", default=None, help="the data dir of a running `ibex dev`")
     issue.set_defaults(func=cmd_keys_issue)
+
+    evaluation = sub.add_parser("eval", help="measure retrieval quality").add_subparsers(
+        dest="eval_command", required=True
+    )
+    locomo = evaluation.add_parser("locomo", help="evidence recall@k of memory search on a LoCoMo-format file")
+    locomo.add_argument("file", help="LoCoMo-format JSON (a list of conversations with questions)")
+    locomo.add_argument("--k", type=_int_list, default=[1, 5, 10, 20], help="cut-offs (default: 1,5,10,20; max 50)")
+    locomo.add_argument("--categories", type=_int_list, default=[1, 2, 3, 4], help="question categories (1,2,3,4)")
+    locomo.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    locomo.set_defaults(func=cmd_eval_locomo)
 
     migrate = sub.add_parser("migrate", help="apply pending Postgres and ClickHouse migrations")
     migrate.set_defaults(func=cmd_migrate)

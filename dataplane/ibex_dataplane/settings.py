@@ -65,10 +65,15 @@ class Settings(BaseSettings):
         default=30.0, gt=0, le=60, description="Deadline the proxy gives each memory call (principal lifetime)."
     )
     memory_min_similarity: float = Field(
-        default=0.70, ge=0, le=1, description="Search ANN cutoff: vector hits below this cosine similarity drop."
+        default=0.20, ge=0, le=1, description="Search ANN cutoff: vector hits below this cosine similarity drop."
     )
     memory_relevance_floor: float = Field(
-        default=0.15, ge=0, lt=0.5, description="Search candidates below this relevance are dropped before scoring."
+        default=0.30, ge=0, lt=1, description="Search candidates below this relevance are dropped before scoring."
+    )
+    memory_neighbour_seconds: float = Field(
+        default=120.0,
+        ge=0,
+        description="Search: memories of one session observed this close together lend each other relevance.",
     )
     memory_near_duplicate_similarity: float = Field(
         default=0.92, gt=0, le=1, description="Cosine similarity above which a write is a near duplicate."

@@ -114,8 +114,10 @@ def test_the_composite_score_weights_its_five_components() -> None:
     assert total == pytest.approx(0.40 * 0.9 + 0.25 * 0.5 + 0.20 * 0.75 + 0.10 * 0.5 + 0.05 * 0.5)
     assert recency(now + timedelta(days=1), now, 30) == 1.0
     assert frequency(0, 5) == 0
+    with pytest.raises(ValueError, match="floor"):
+        SearchTuning(relevance_floor=1.0)
     with pytest.raises(ValueError, match="below"):
-        SearchTuning(relevance_floor=0.5)
+        SearchTuning(similarity_zero=0.8, similarity_full=0.8)
 
 
 def test_the_interval_rule_and_where_the_old_validity_closes() -> None:
@@ -140,6 +142,14 @@ def test_the_interval_rule_and_where_the_old_validity_closes() -> None:
         ("The office is on floor 5.", "The office is on floor 3.", 0.93, None, Verdict.CONTRADICTION),
         ("Standups happen daily at ten.", "Standups are daily and short.", 0.9, None, Verdict.OVERLAP),
         ("The user lives in Berlin.", "The user lives in Paris.", 0.64, None, Verdict.UNRELATED),
+        # A later turn of a conversation that merely sounds alike does not replace an earlier one.
+        (
+            "Mia: That sounds great, enjoy the trip!",
+            "Leo: That's great news about the job!",
+            0.7,
+            (T0 + timedelta(30), T0),
+            Verdict.UNRELATED,
+        ),
     ],
 )
 async def test_the_default_classifier_is_deterministic(

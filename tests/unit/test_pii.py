@@ -256,3 +256,17 @@ def test_results_are_immutable(redactor: PiiRedactor) -> None:
     result: RedactionResult = redactor.redact("Call Priya on 415-555-0132 after six.")
     with pytest.raises(AttributeError):
         result.text = "changed"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("number", [1640, 1652, 1669])
+def test_four_digit_amounts_and_years_are_not_phone_numbers(redactor: PiiRedactor, number: int) -> None:
+    for text in (f"We paid {number} dollars for the bikes.", f"The painting dates from {number}, we paid {number}."):
+        result = redactor.redact(text)
+        assert result.text == text
+        assert not result.quarantine, text
+        assert [f.entity_type for f in result.findings] == []
+
+
+def test_a_real_phone_number_is_still_caught_next_to_a_four_digit_one(redactor: PiiRedactor) -> None:
+    result = redactor.redact("We paid 1640 dollars; call me at +44 20 7946 0958 about it.")
+    assert result.text == "We paid 1640 dollars; call me at [PHONE_NUMBER] about it."

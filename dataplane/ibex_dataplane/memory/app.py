@@ -96,6 +96,7 @@ def create_memory_app(
         min_similarity=settings.memory_min_similarity,
         relevance_floor=settings.memory_relevance_floor,
         recency_half_life_days=settings.memory_recency_half_life_days,
+        neighbour_seconds=settings.memory_neighbour_seconds,
     )
     background = BackgroundWork()
     service = MemoryService(

@@ -10,7 +10,10 @@ neighbours) it decides, in this order:
 1. they share most of their words (Jaccard >= 0.5) and one says it with a negation and the other without (``not``,
    ``no longer``, ``never``, ``n't``...): contradiction;
 2. the new one says everything the old one says and more (its words are a strict superset): it specializes it;
-3. both carry a ``valid_from`` and the new one starts later: it supersedes the old one;
+3. both carry a ``valid_from``, the new one starts later and they say it in mostly the same words (Jaccard >= 0.5,
+   "The user lives in Paris" / "... in Berlin"): it supersedes the old one. Without the shared wording a later
+   start says nothing about the old memory: in a conversation most short turns are close neighbours of each other
+   ("That's great!"), and superseding them would hide all but the last from search;
 4. the same words with different numbers ("floor 3" / "floor 5"): contradiction;
 5. similar enough (``overlap_similarity``): overlap; otherwise unrelated.
 """
@@ -149,7 +152,12 @@ class DeterministicClassifier:
             return Verdict.CONTRADICTION
         if old_set and old_set < new_set:
             return Verdict.SPECIALIZES
-        if q.new_valid_from is not None and q.old_valid_from is not None and q.new_valid_from > q.old_valid_from:
+        if (
+            shared >= 0.5
+            and q.new_valid_from is not None
+            and q.old_valid_from is not None
+            and q.new_valid_from > q.old_valid_from
+        ):
             return Verdict.SUPERSEDES
         new_numbers = {w for w in new_set if _NUMBER.match(w)}
         old_numbers = {w for w in old_set if _NUMBER.match(w)}

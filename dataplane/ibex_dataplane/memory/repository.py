@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -150,10 +151,12 @@ UPDATE memories m SET retrieval_count = m.retrieval_count + 1, last_retrieved_at
 
 
 # Hybrid retrieval in one round trip: the ANN leg (HNSW, iterative scan, cutoff after the index scan so the scan
-# itself is not starved), the full-text leg (through ibex_memory_text_candidates, see migration 0005: `@@` cannot
-# use the GIN index under row-level security), merged by id, then hydrated row by row through the primary key.
+# itself is not starved), the full-text leg (BM25 over any query term, through ibex_memory_text_bm25, see migration
+# 0011: `@@` cannot use the GIN index under row-level security), merged by id, then hydrated row by row through the
+# primary key.
 #   $1 org  $2 agent  $3 instant (NULL: now)  $4 query vector  $5 ANN candidates  $6 query text
 #   $7 text candidates  $8 min similarity  $9 min confidence (NULL: none)  $10 labels (all required; empty: none)
+#   $11 rows read per query term  $12 memories counted for idf
 # Two variants, so the current one names `status = 'active'` literally: the partial HNSW index only serves queries
 # whose predicate implies its own, and a parameterized status would hide that from a generic plan.
 def _search_sql(statuses: str, history: str) -> str:
@@ -173,24 +176,41 @@ def _search_sql(statuses: str, history: str) -> str:
          ORDER BY m.embedding <=> $4
          LIMIT $5
     ), fts AS MATERIALIZED (
-        SELECT t.id FROM ibex_memory_text_candidates($2, $6, $3::timestamptz, {history}, $9::real, $10::text[], $7) t
+        SELECT t.id, t.score, t.terms
+          FROM ibex_memory_text_bm25($2, $6, $3::timestamptz, {history}, $9::real, $10::text[], $7, $11, $12) t
     ), hits AS MATERIALIZED (
-        SELECT coalesce(a.id, f.id) AS id, a.similarity, f.id IS NOT NULL AS text_hit
+        SELECT coalesce(a.id, f.id) AS id, a.similarity, f.score AS text_score, coalesce(f.terms, 0) AS text_terms
           FROM (SELECT * FROM ann WHERE ann.similarity >= $8) a
           FULL JOIN fts f ON f.id = a.id
     )
-    SELECT h.similarity, h.text_hit, x.*
+    SELECT h.similarity, h.text_score, h.text_terms, x.*
       FROM hits h
      CROSS JOIN LATERAL (
-        SELECT {_COLUMNS} FROM memories m
-         WHERE m.id = h.id AND m.org_id = $1 AND m.agent_id = $2 {filters}
-        OFFSET 0  -- keeps the subquery per hit (a primary-key lookup), never a hash join over the whole table
+        SELECT {_COLUMNS}
+          FROM (SELECT * FROM memories m WHERE m.id = h.id OFFSET 0) m
+         WHERE m.org_id = $1 AND m.agent_id = $2 {filters}
+        OFFSET 0  -- keeps the subquery per hit, never a hash join over the whole table
      ) x
     """
 
 
+# The inner `OFFSET 0` keeps the filters out of the lookup: with them, on a table not yet analyzed, the planner
+# prefers walking the agent's part of the partial unique index (org, agent, hash; WHERE active) for every hit
+# (measured: 0.18 ms per hit, 15 ms for 80 hits) to the primary key.
+
+
 _SEARCH_CURRENT = _search_sql("= 'active'", "false")
 _SEARCH_HISTORY = _search_sql("IN ('active', 'superseded')", "true")
+
+
+@dataclass(frozen=True, slots=True)
+class SearchRow:
+    """One hit of either search leg: cosine similarity (vector leg), BM25 score and query terms held (text leg)."""
+
+    memory: Memory
+    similarity: float | None
+    text_score: float | None
+    text_terms: int
 
 
 def _decode_metadata(value: Any) -> dict[str, Any]:
@@ -373,16 +393,24 @@ class MemoryRepository:
         min_similarity: float,
         min_confidence: float | None,
         labels: Sequence[str],
-    ) -> list[tuple[float | None, bool, Memory]]:
-        """(similarity or None, matched by text, memory) for every hit of either leg, unordered."""
+        term_rows: int = 1000,
+        population: int = 20000,
+    ) -> list[SearchRow]:
+        """Every hit of either leg, unordered; ``term_rows`` and ``population`` bound the BM25 statistics."""
         async with self.transaction(tenant, readonly=True) as conn:
             await self._ann_settings(conn)
             rows = await conn.fetch(
                 _SEARCH_CURRENT if at is None else _SEARCH_HISTORY, tenant.org_id, tenant.agent_id, at, vector,
-                ann_candidates, text, text_candidates, min_similarity, min_confidence, list(labels),
+                ann_candidates, text, text_candidates, min_similarity, min_confidence, list(labels), term_rows,
+                population,
             )  # fmt: skip
         return [
-            (None if r["similarity"] is None else float(r["similarity"]), bool(r["text_hit"]), memory_of(r))
+            SearchRow(
+                memory_of(r),
+                None if r["similarity"] is None else float(r["similarity"]),
+                None if r["text_score"] is None else float(r["text_score"]),
+                int(r["text_terms"]),
+            )
             for r in rows
         ]
 

@@ -1,29 +1,44 @@
 """Hybrid retrieval and composite scoring for ``POST /v1/memories/search`` (architecture section 9.3).
 
-Owns turning a validated :class:`SearchQuery` into ranked hits: the query is masked for PII like content is, then
-embedded; one SQL round trip runs the HNSW leg (iterative scan under the per-agent filter, ANN cutoff applied after
-the index scan) and the full-text leg over active, currently valid memories, merged by id and hydrated; here the
-relevance floor drops weak candidates and every survivor gets the composite score
+Owns turning a validated :class:`SearchQuery` into ranked hits. The query is masked for PII like content is, then
+embedded; one SQL round trip runs the HNSW leg (iterative scan under the per-agent filter, a low ANN cutoff after
+the index scan) and the BM25 full-text leg (any query term may match) over active, currently valid memories, merged
+by id and hydrated. Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reuse it):
+
+1. fusion: each leg's evidence on an absolute scale (cosine between ``similarity_zero`` and ``similarity_full``;
+   BM25 ``s / (s + text_half)``), weighted and summed, plus a bonus when both legs agree;
+2. time: a query naming a day, a month or a year lifts memories whose validity starts inside it;
+3. neighbours: a memory observed within ``neighbour_seconds`` of a strong hit in the same session, and every
+   memory of a session that holds strong hits, is lifted by a share of their evidence (turns of one conversation
+   explain each other: a question matches a reply, the fact sits in the turn before);
+4. the relevance floor drops what is left below it, so junk finds nothing.
+
+The ``limit`` most relevant survivors are returned, ordered by the composite score
 
     0.40 relevance + 0.25 recency + 0.20 usefulness + 0.10 confidence + 0.05 access_frequency
 
-with all five components returned. Scoring is pure (:func:`score`) so the context stage and the tests can reuse it.
-Called by the service; retrieval bookkeeping for the returned hits runs after the answer.
+with all five components. Relevance decides *which* memories answer; the other components only order that answer
+(an old memory that is the answer is never pushed out by recent, unrelated ones; see docs/retrieval.md). Called
+by the service; retrieval bookkeeping for the returned hits runs after the answer.
 """
 
 from __future__ import annotations
 
+import calendar
 import math
+import re
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ibex_dataplane.embedding import Embedder, EmbeddingError
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.memory.refinery import Redactor
-from ibex_dataplane.memory.repository import MemoryRepository
+from ibex_dataplane.memory.repository import MemoryRepository, SearchRow
 from ibex_dataplane.memory.validation import SearchQuery
 from ibex_dataplane.pii import PiiError
 from ibex_dataplane.shared.errors import Degraded
@@ -40,18 +55,33 @@ class ScoreWeights:
 
 @dataclass(frozen=True, slots=True)
 class SearchTuning:
-    min_similarity: float = 0.70  # ANN cutoff, before hydration
-    relevance_floor: float = 0.15  # drop candidates below this relevance before scoring (must stay below 0.5)
-    text_only_relevance: float = 0.5
+    """Every knob of retrieval; the defaults are calibrated on the LoCoMo development split for MiniLM."""
+
+    min_similarity: float = 0.20  # ANN cutoff, before hydration (kept low: weak hits can still be lifted)
+    relevance_floor: float = 0.30  # drop candidates below this relevance before scoring
     recency_half_life_days: float = 30.0
     frequency_half_saturation: float = 5.0  # retrieval_count at which the frequency component reaches 0.5
     ann_candidates: int = 40
-    text_candidates: int = 20
+    text_candidates: int = 60
+    text_term_rows: int = 400  # memories read per query term for BM25 document frequencies
+    text_population: int = 20000  # memories counted for BM25 idf
+    vector_weight: float = 0.30
+    text_weight: float = 0.70
+    agreement_bonus: float = 0.0  # both legs found it (measured: no gain on top of the weighted sum)
+    similarity_zero: float = 0.30  # cosine that is no evidence at all for MiniLM (unrelated sentences)
+    similarity_full: float = 0.80  # cosine that is full evidence
+    text_half: float = 4.0  # BM25 score that is half evidence
+    time_weight: float = 0.10  # lift for memories valid from inside a period the query names
+    neighbour_weight: float = 0.35  # share of a neighbour's evidence lent to a memory observed close to it
+    neighbour_seconds: float = 120.0  # how close (observed_at, same session) counts as a neighbour
+    session_weight: float = 0.20  # share of the best evidence in a session lent to all of its memories
     weights: ScoreWeights = ScoreWeights()
 
     def __post_init__(self) -> None:
-        if not 0 <= self.relevance_floor < self.text_only_relevance:
-            raise ValueError("the relevance floor must stay below the relevance of full-text-only hits (0.5)")
+        if not 0 <= self.relevance_floor < 1:
+            raise ValueError("the relevance floor must be in [0, 1)")
+        if not self.similarity_zero < self.similarity_full:
+            raise ValueError("similarity_zero must be below similarity_full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +118,115 @@ class SearchHit:
         }
 
 
+# -- relevance (pure) -----------------------------------------------------------------------------------------------
+
+_MONTHS = {name.lower(): i for i, name in enumerate(calendar.month_name) if name} | {
+    name.lower(): i for i, name in enumerate(calendar.month_abbr) if name
+}
+_MONTH = "|".join(sorted(_MONTHS, key=len, reverse=True))
+_DAY_MONTH_YEAR = re.compile(rf"\b(\d{{1,2}})(?:st|nd|rd|th)?\s+({_MONTH})\.?,?\s+((?:19|20)\d\d)\b", re.I)
+_MONTH_DAY_YEAR = re.compile(rf"\b({_MONTH})\.?\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+((?:19|20)\d\d)\b", re.I)
+_MONTH_YEAR = re.compile(rf"\b({_MONTH})\.?,?\s+(?:of\s+)?((?:19|20)\d\d)\b", re.I)
+_ISO_DATE = re.compile(r"\b((?:19|20)\d\d)-(\d\d)-(\d\d)\b")
+_YEAR = re.compile(r"\b((?:19|20)\d\d)\b")
+
+
+@dataclass(frozen=True, slots=True)
+class Period:
+    """A half-open stretch of time a query names: [start, end)."""
+
+    start: datetime
+    end: datetime
+
+    def holds(self, instant: datetime | None) -> bool:
+        return instant is not None and self.start <= instant < self.end
+
+
+def _month(year: int, month: int) -> Period:
+    start = datetime(year, month, 1, tzinfo=UTC)
+    end = datetime(year + (month == 12), month % 12 + 1, 1, tzinfo=UTC)
+    return Period(start, end)
+
+
+def _day(year: int, month: int, day: int) -> Period | None:
+    try:
+        start = datetime(year, month, day, tzinfo=UTC)
+    except ValueError:
+        return None
+    # A day spoken of is a day somewhere: a day either side covers every time zone and "the night before".
+    return Period(start - timedelta(days=1), start + timedelta(days=2))
+
+
+def periods_named(query: str) -> list[Period]:
+    """The days, months and years a query names explicitly ("on 8 May 2023", "in June 2022", "2021")."""
+    found: list[Period] = []
+    spans: list[tuple[int, int]] = []
+
+    def take(match: re.Match[str], period: Period | None) -> None:
+        if period is not None and not any(a < match.end() and match.start() < b for a, b in spans):
+            found.append(period)
+            spans.append((match.start(), match.end()))
+
+    for m in _ISO_DATE.finditer(query):
+        take(m, _day(int(m.group(1)), int(m.group(2)), int(m.group(3))))
+    for m in _DAY_MONTH_YEAR.finditer(query):
+        take(m, _day(int(m.group(3)), _MONTHS[m.group(2).lower()], int(m.group(1))))
+    for m in _MONTH_DAY_YEAR.finditer(query):
+        take(m, _day(int(m.group(3)), _MONTHS[m.group(1).lower()], int(m.group(2))))
+    for m in _MONTH_YEAR.finditer(query):
+        take(m, _month(int(m.group(2)), _MONTHS[m.group(1).lower()]))
+    for m in _YEAR.finditer(query):
+        year = int(m.group(1))
+        take(m, Period(datetime(year, 1, 1, tzinfo=UTC), datetime(year + 1, 1, 1, tzinfo=UTC)))
+    return found
+
+
+def vector_evidence(similarity: float | None, t: SearchTuning) -> float:
+    if similarity is None:
+        return 0.0
+    return max(0.0, min(1.0, (similarity - t.similarity_zero) / (t.similarity_full - t.similarity_zero)))
+
+
+def text_evidence(score: float | None, t: SearchTuning) -> float:
+    if score is None or score <= 0:
+        return 0.0
+    return score / (score + t.text_half)
+
+
+def _observed(memory: Memory) -> datetime:
+    return memory.observed_at or memory.valid_from or memory.created_at
+
+
+def relevance_of(rows: Sequence[SearchRow], tuning: SearchTuning, periods: Sequence[Period] = ()) -> list[float]:
+    """Relevance in [0, 1] of each candidate, in the order given (the floor is the caller's)."""
+    t = tuning
+    own: list[float] = []
+    for row in rows:
+        v, x = vector_evidence(row.similarity, t), text_evidence(row.text_score, t)
+        fused = t.vector_weight * v + t.text_weight * x + (t.agreement_bonus if v > 0 and x > 0 else 0.0)
+        if periods and any(p.holds(row.memory.valid_from) or p.holds(row.memory.observed_at) for p in periods):
+            fused += t.time_weight
+        own.append(fused)
+    lifted = list(own)
+    if t.neighbour_weight > 0 or t.session_weight > 0:
+        sessions: dict[str, list[int]] = defaultdict(list)
+        for i, row in enumerate(rows):
+            if row.memory.session_id is not None:
+                sessions[row.memory.session_id].append(i)
+        window = t.neighbour_seconds
+        for members in sessions.values():
+            best = max(own[i] for i in members)
+            ordered = sorted(members, key=lambda i: _observed(rows[i].memory))
+            for pos, i in enumerate(ordered):
+                near = 0.0
+                at = _observed(rows[i].memory)
+                for j in ordered[max(0, pos - 8) : pos + 9]:
+                    if j != i and abs((_observed(rows[j].memory) - at).total_seconds()) <= window:
+                        near = max(near, own[j])
+                lifted[i] += t.neighbour_weight * near + t.session_weight * best
+    return [max(0.0, min(1.0, r)) for r in lifted]
+
+
 def recency(anchor: datetime, now: datetime, half_life_days: float) -> float:
     """Exponential decay from the start of validity: 1 now, 0.5 after one half-life; future starts count as now."""
     age_days = max(0.0, (now - anchor).total_seconds() / 86400.0)
@@ -119,6 +258,29 @@ def score(memory: Memory, relevance: float, now: datetime, tuning: SearchTuning)
     return total, components
 
 
+def matched_by(row: SearchRow) -> str:
+    if row.similarity is not None and row.text_score is not None:
+        return "both"
+    return "vector" if row.similarity is not None else "text"
+
+
+def rank(
+    rows: Sequence[SearchRow], query_text: str, limit: int, now: datetime, tuning: SearchTuning
+) -> list[SearchHit]:
+    """The answer: the ``limit`` most relevant candidates at or above the floor, ordered by composite score."""
+    relevance = relevance_of(rows, tuning, periods_named(query_text))
+    kept = sorted(
+        ((r, row) for r, row in zip(relevance, rows, strict=True) if r >= tuning.relevance_floor),
+        key=lambda pair: (-pair[0], str(pair[1].memory.id)),
+    )[:limit]
+    hits: list[SearchHit] = []
+    for r, row in kept:
+        total, components = score(row.memory, r, now, tuning)
+        hits.append(SearchHit(row.memory, total, components, matched_by(row)))
+    hits.sort(key=lambda h: (-h.score, -h.components.relevance, str(h.memory.id)))
+    return hits
+
+
 class MemorySearch:
     def __init__(
         self,
@@ -134,7 +296,8 @@ class MemorySearch:
         self._metrics = metrics
         self.tuning = tuning
 
-    async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
+    async def candidates(self, tenant: Tenant, query: SearchQuery) -> tuple[str, list[SearchRow]]:
+        """The masked query and every hit of either leg (unranked)."""
         started = time.perf_counter()
         try:
             masked = (await self._redactor.redact_async(query.query)).text
@@ -146,9 +309,7 @@ class MemorySearch:
             raise Degraded("the embedding model is unavailable") from e
         embedded = time.perf_counter()
         self._metrics.search_seconds.labels("embed").observe(embedded - started)
-
         t = self.tuning
-        min_similarity = query.min_similarity if query.min_similarity is not None else t.min_similarity
         rows = await self._repo.search(
             tenant,
             vector=vectors[0],
@@ -156,27 +317,20 @@ class MemorySearch:
             at=query.as_of,
             ann_candidates=max(t.ann_candidates, query.limit * 2),
             text_candidates=max(t.text_candidates, query.limit * 2),
-            min_similarity=min_similarity,
+            min_similarity=query.min_similarity if query.min_similarity is not None else t.min_similarity,
             min_confidence=query.min_confidence,
             labels=query.labels,
+            term_rows=t.text_term_rows,
+            population=t.text_population,
         )
-        queried = time.perf_counter()
-        self._metrics.search_seconds.labels("query").observe(queried - embedded)
+        self._metrics.search_seconds.labels("query").observe(time.perf_counter() - embedded)
+        return masked, rows
 
-        now = query.as_of or datetime.now(UTC)
-        hits: list[SearchHit] = []
-        for similarity, text_hit, memory in rows:
-            relevance = similarity if similarity is not None else t.text_only_relevance
-            if relevance < t.relevance_floor:
-                continue
-            matched_by = (
-                "both" if similarity is not None and text_hit else "vector" if similarity is not None else "text"
-            )
-            total, components = score(memory, relevance, now, t)
-            hits.append(SearchHit(memory, total, components, matched_by))
-        hits.sort(key=lambda h: (-h.score, str(h.memory.id)))
-        hits = hits[: query.limit]
+    async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
+        masked, rows = await self.candidates(tenant, query)
+        started = time.perf_counter()
+        hits = rank(rows, masked, query.limit, query.as_of or datetime.now(UTC), self.tuning)
         for hit in hits:
             self._metrics.search_hits.labels(hit.matched_by).inc()
-        self._metrics.search_seconds.labels("score").observe(time.perf_counter() - queried)
+        self._metrics.search_seconds.labels("score").observe(time.perf_counter() - started)
         return hits

@@ -100,6 +100,11 @@ _CONTEXT_SCAN_CHARS: Final = 120
 _WORD: Final = re.compile(r"[^\W\d_][^\W_]*|[0-9]+[^\W\d_][^\W_]*")
 _CONTEXT_SUFFIXES: Final = ("", "s", "es", "ed", "ing")
 _SCORE_SLACK: Final = 1e-6
+# No dialable personal number has fewer digits (E.164 subscriber numbers run to 7 and more; shorter ones are
+# service codes). Presidio's phone recognizer, through phonenumbers, accepts some four-digit strings (measured:
+# "1640" to "1669" in "we paid 1640 dollars", at 0.40), which would quarantine ordinary prose about years,
+# prices and distances.
+_MIN_PHONE_DIGITS: Final = 7
 
 
 class QuarantineKind(enum.StrEnum):
@@ -265,7 +270,11 @@ class PiiRedactor:
                 text=text, language=LANGUAGE, entities=self._entities, score_threshold=self._floor - _SCORE_SLACK
             )
             # Rounded so that sums such as 0.35 + 0.35 compare as the 0.70 they are meant to be.
-            scored = [_Candidate(r.entity_type, r.start, r.end, round(float(r.score), 4)) for r in raw]
+            scored = [
+                _Candidate(r.entity_type, r.start, r.end, round(float(r.score), 4))
+                for r in raw
+                if _plausible(r.entity_type, text[r.start : r.end])
+            ]
             candidates = [c for c in scored if c.score >= self._floor]
             kept, spans = _resolve_overlaps(candidates, self._threshold)
             redacted_text = self._replace(text, spans) if spans else text
@@ -317,6 +326,13 @@ class PiiRedactor:
             merge_entities_with_spaces=False,
         )
         return str(engine_result.text)
+
+
+def _plausible(entity_type: str, matched: str) -> bool:
+    """Drop pattern matches that cannot be the entity whatever the recognizer's score (pure)."""
+    if entity_type == "PHONE_NUMBER":
+        return sum(ch.isdigit() for ch in matched) >= _MIN_PHONE_DIGITS
+    return True
 
 
 # --- overlap resolution (pure) -------------------------------------------------------------------------------

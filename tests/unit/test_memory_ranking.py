@@ -1,0 +1,106 @@
+"""The pure ranking of memory search: fusion of the two legs, the floor, named periods, neighbours, final order."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from datetime import UTC, datetime, timedelta
+
+from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
+from ibex_dataplane.memory.repository import SearchRow
+from ibex_dataplane.memory.search import (
+    SearchTuning,
+    periods_named,
+    rank,
+    relevance_of,
+    text_evidence,
+    vector_evidence,
+)
+
+T0 = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+TUNING = SearchTuning()
+
+
+def memory(content: str = "c", **overrides: object) -> Memory:
+    base: dict[str, object] = dict(
+        id=uuid.uuid4(), agent_id=uuid.uuid4(), content=content, status=MemoryStatus.ACTIVE, labels=(),
+        source=MemorySource.IMPORTED, confidence=1.0, usefulness=0.5, valid_from=T0, valid_until=None,
+        observed_at=T0, session_id=None, metadata={}, revision=1, retrieval_count=0, last_retrieved_at=None,
+        created_at=T0, updated_at=T0,
+    )  # fmt: skip
+    base.update(overrides)
+    return Memory(**base)  # type: ignore[arg-type]
+
+
+def row(similarity: float | None = None, text: float | None = None, **fields: object) -> SearchRow:
+    return SearchRow(memory(**fields), similarity, text, 1 if text else 0)
+
+
+def test_each_leg_counts_on_an_absolute_scale() -> None:
+    assert vector_evidence(None, TUNING) == 0.0
+    assert vector_evidence(TUNING.similarity_zero, TUNING) == 0.0
+    assert vector_evidence(TUNING.similarity_full + 0.1, TUNING) == 1.0
+    assert 0 < vector_evidence(0.5, TUNING) < 1
+    assert text_evidence(None, TUNING) == 0.0
+    assert text_evidence(TUNING.text_half, TUNING) == 0.5
+    assert text_evidence(2 * TUNING.text_half, TUNING) > text_evidence(TUNING.text_half, TUNING)
+
+
+def test_fusion_prefers_a_memory_both_legs_found() -> None:
+    both = row(0.6, 6.0)
+    vector_only = row(0.6)
+    text_only = row(None, 6.0)
+    r_both, r_vector, r_text = relevance_of([both, vector_only, text_only], TUNING)
+    assert r_both > r_vector and r_both > r_text
+
+
+def test_the_floor_drops_weak_candidates_and_keeps_strong_ones() -> None:
+    weak = row(0.32)  # just above the ANN cutoff: almost no evidence
+    strong = row(0.75, 9.0)
+    hits = rank([weak, strong], "question", 10, NOW, TUNING)
+    assert [h.memory.id for h in hits] == [strong.memory.id]
+    assert hits[0].components.relevance >= TUNING.relevance_floor
+    assert rank([weak], "question", 10, NOW, TUNING) == []
+
+
+def test_a_named_month_or_day_becomes_a_period() -> None:
+    [may] = periods_named("What did she paint in May 2023?")
+    assert may.holds(datetime(2023, 5, 31, 23, tzinfo=UTC)) and not may.holds(datetime(2023, 6, 1, tzinfo=UTC))
+    [day] = periods_named("What happened on 8 May, 2023?")
+    assert day.holds(T0) and not day.holds(T0 + timedelta(days=3))
+    [year] = periods_named("Where did they travel in 2022?")
+    assert year.holds(datetime(2022, 7, 1, tzinfo=UTC)) and not year.holds(T0)
+    assert periods_named("When did she paint the sunrise?") == []
+
+
+def test_a_period_in_the_query_lifts_memories_valid_from_inside_it() -> None:
+    inside = row(0.5, 3.0, valid_from=datetime(2022, 4, 10, tzinfo=UTC), observed_at=None)
+    outside = row(0.5, 3.0, valid_from=datetime(2022, 9, 10, tzinfo=UTC), observed_at=None)
+    plain = relevance_of([inside, outside], TUNING)
+    timed = relevance_of([inside, outside], TUNING, periods_named("What did Nate do in April 2022?"))
+    assert plain[0] == plain[1]
+    assert timed[0] > timed[1] == plain[1]
+
+
+def test_a_neighbouring_turn_of_a_strong_hit_is_lifted_above_a_lone_equal_one() -> None:
+    question = row(0.78, 10.0, session_id="s1", observed_at=T0)
+    answer = row(0.40, None, session_id="s1", observed_at=T0 + timedelta(minutes=1))
+    lone = row(0.40, None, session_id="s2", observed_at=T0 + timedelta(minutes=1))
+    far = row(0.40, None, session_id="s1", observed_at=T0 + timedelta(hours=2))
+    r_question, r_answer, r_lone, r_far = relevance_of([question, answer, lone, far], TUNING)
+    assert r_answer > r_far > r_lone  # the neighbour gets most; the rest of the session a little
+    assert r_question >= r_answer
+    without = relevance_of([question, answer, lone, far], SearchTuning(neighbour_weight=0, session_weight=0))
+    assert without[1] == without[2] == without[3]
+
+
+def test_an_old_answer_is_not_pushed_out_by_recent_unrelated_memories() -> None:
+    old_answer = row(0.8, 9.0, valid_from=NOW - timedelta(days=900), observed_at=None)
+    recent = [row(0.6, 3.0, valid_from=NOW - timedelta(hours=1), observed_at=None) for _ in range(3)]
+    hits = rank([*recent, old_answer], "question", 1, NOW, TUNING)
+    assert [h.memory.id for h in hits] == [old_answer.memory.id]
+    every = rank([*recent, old_answer], "question", 4, NOW, TUNING)
+    assert len(every) == 4  # the recent ones pass the floor too ...
+    assert every[-1].memory.id == old_answer.memory.id  # ... and, far more recent, come first by composite score
+    assert all(a.score >= b.score for a, b in itertools.pairwise(every))
