@@ -6,6 +6,12 @@ commit) and publishes an invalidation event. Readers fetch the version and the v
 call, so a replica that loaded stale rows just before a commit can only ever write them under the old version,
 which nobody reads again. The pub/sub event evicts tier 1 on every replica within milliseconds; the local TTL is
 only a safety net. An epoch per entry stops a load that began before an invalidation from re-filling tier 1.
+
+Both tiers are bounded, because the key cache is reached before authentication: every well-formed token names a key
+id, and random ids must not grow memory. Tier 1 is an LRU of at most ``max_local`` entries; expired entries are
+dropped when they are met and from the cold end whenever an entry is added; negative values (``None``: "no such
+key") live ``negative_ttl`` seconds in Redis instead of ``redis_ttl``, so a flood of random ids costs Redis at most
+its rate times that TTL.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -52,6 +59,8 @@ class TieredCache(Generic[T]):
         decode: Callable[[bytes], T],
         local_ttl: float = 30.0,
         redis_ttl: int = 600,
+        negative_ttl: int = 60,
+        max_local: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._redis = redis
@@ -59,15 +68,24 @@ class TieredCache(Generic[T]):
         self._decode = decode
         self._local_ttl = local_ttl
         self._redis_ttl = redis_ttl
+        self._negative_ttl = negative_ttl
+        self._max_local = max_local
         self._clock = clock
-        self._local: dict[str, _Entry[T]] = {}
+        self._local: OrderedDict[str, _Entry[T]] = OrderedDict()
         self._epochs: dict[str, int] = {}
         self._global_epoch = 0
         self._read: AsyncScript = redis.register_script(_READ)
         self.local_enabled = True
 
+    def __len__(self) -> int:
+        return len(self._local)
+
     def evict(self, version_key: str) -> None:
         self._local.pop(version_key, None)
+        if len(self._epochs) >= self._max_local:
+            # Forgetting per-key epochs is safe only together with a global bump: any load in flight is then stale.
+            self._epochs.clear()
+            self._global_epoch += 1
         self._epochs[version_key] = self._epochs.get(version_key, 0) + 1
 
     def clear(self) -> None:
@@ -77,8 +95,11 @@ class TieredCache(Generic[T]):
     async def get(self, version_key: str, load: Callable[[], Awaitable[T]]) -> T:
         entry = self._local.get(version_key)
         now = self._clock()
-        if entry is not None and entry.expires > now and self.local_enabled:
-            return entry.value
+        if entry is not None:
+            if entry.expires > now and self.local_enabled:
+                self._local.move_to_end(version_key)
+                return entry.value
+            del self._local[version_key]
         epoch = (self._epochs.get(version_key, 0), self._global_epoch)
         prefix = version_key + ":v"
         with redis_errors():
@@ -89,14 +110,24 @@ class TieredCache(Generic[T]):
             except (ValueError, KeyError, TypeError):
                 pass  # written by another version of the codec: reload and overwrite it
         value = await load()
+        ttl = self._negative_ttl if value is None else self._redis_ttl
         with redis_errors():
-            await self._redis.set(prefix + version.decode(), self._encode(value), ex=self._redis_ttl)
+            await self._redis.set(prefix + version.decode(), self._encode(value), ex=ttl)
         return self._remember(version_key, epoch, value)
 
     def _remember(self, version_key: str, epoch: tuple[int, int], value: T) -> T:
         """Keep it locally unless an invalidation arrived while it was being read."""
         if self.local_enabled and epoch == (self._epochs.get(version_key, 0), self._global_epoch):
-            self._local[version_key] = _Entry(value, self._clock() + self._local_ttl)
+            now = self._clock()
+            while self._local:  # drop expired entries from the cold end before adding one
+                _, oldest = next(iter(self._local.items()))
+                if oldest.expires > now:
+                    break
+                self._local.popitem(last=False)
+            self._local[version_key] = _Entry(value, now + self._local_ttl)
+            self._local.move_to_end(version_key)
+            while len(self._local) > self._max_local:
+                self._local.popitem(last=False)  # least recently used
         return value
 
 
