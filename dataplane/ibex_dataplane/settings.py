@@ -29,8 +29,9 @@ class Settings(BaseSettings):
     postgres_pool_min: int = Field(default=2, ge=0, description="Minimum connections in each Postgres pool.")
     postgres_pool_max: int = Field(default=10, ge=1, description="Maximum connections in each Postgres pool.")
     redis_url: SecretStr | None = Field(default=None, description="Redis/Valkey URL. Embedded when unset.")
-    clickhouse_url: str | None = Field(
-        default=None, description="ClickHouse URL: http(s)://... in production, chdb:///path locally."
+    clickhouse_url: SecretStr | None = Field(
+        default=None,
+        description="ClickHouse URL: http(s)://... in production (may carry credentials), chdb:///path locally.",
     )
     data_dir: Path = Field(default=Path(".ibex"), description="Directory for embedded stores and local secrets.")
     migrations_dir: Path | None = Field(

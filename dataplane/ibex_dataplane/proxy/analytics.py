@@ -22,7 +22,7 @@ from uuid import UUID
 from prometheus_client import CollectorRegistry, Counter
 
 from ibex_dataplane.store.clickhouse import ClickHouse, org_query
-from ibex_dataplane.store.errors import StoreUnavailable
+from ibex_dataplane.store.errors import StoreQueryError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,10 @@ class AnalyticsRecorder:
                 self.dropped.labels("clickhouse_unavailable").inc(len(batch))
                 log.warning("dropped %d analytics rows: %s", len(batch), e)
                 return
+            except StoreQueryError as e:  # a bug of ours: drop this batch, keep the next ones flowing
+                self.dropped.labels("clickhouse_rejected").inc(len(batch))
+                log.error("dropped %d analytics rows: %s", len(batch), e)
+                continue
             self.written.inc(len(batch))
 
 

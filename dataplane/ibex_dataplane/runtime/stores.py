@@ -43,7 +43,7 @@ class StoreUrls:
                 settings.postgres_dsn.get_secret_value(),
                 admin,
                 settings.redis_url.get_secret_value(),
-                settings.clickhouse_url,
+                settings.clickhouse_url.get_secret_value(),
             )
         runtime_file = settings.data_dir / "runtime.json"
         if not runtime_file.exists():

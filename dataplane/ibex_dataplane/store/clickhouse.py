@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
 import re
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from uuid import UUID
 
-from ibex_dataplane.store.errors import StoreUnavailable, TenantKeyError
+from ibex_dataplane.store.errors import StoreQueryError, StoreUnavailable, TenantKeyError
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ORG_FILTER = re.compile(r"\borg_id\s*=\s*\{org_id:UUID\}")
 
@@ -86,11 +88,18 @@ class ClickHouse:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clickhouse")
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` off the loop. Only a failure to reach the server (or the engine's process) is an outage,
+        :class:`StoreUnavailable`; a statement the server refuses is :class:`StoreQueryError`."""
+        from clickhouse_connect.driver.exceptions import OperationalError
+
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, fn, self._url, *args)
+        except (OperationalError, OSError, TimeoutError, BrokenExecutor) as e:
+            raise StoreUnavailable("clickhouse", type(e).__name__) from e
         except Exception as e:
-            raise StoreUnavailable("clickhouse", f"{type(e).__name__}: {str(e)[:200]}") from e
+            log.error("clickhouse rejected a statement: %s: %s", type(e).__name__, str(e)[:500])
+            raise StoreQueryError("clickhouse", type(e).__name__) from e
 
     async def command(self, sql: str) -> None:
         await self._call(_command, sql)

@@ -13,6 +13,16 @@ class StoreUnavailable(StoreError):
         self.store = store
 
 
+class StoreQueryError(StoreError):
+    """The store answered, but refused the statement (SQL or type error): a bug on our side, not an outage.
+
+    The message names the store and the error class only; the driver's text stays in the server log."""
+
+    def __init__(self, store: str, kind: str) -> None:
+        super().__init__(f"{store} rejected a statement ({kind})")
+        self.store = store
+
+
 class MigrationError(StoreError):
     """A migration could not be applied, or an applied migration was changed after the fact."""
 
