@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from decimal import Decimal
 
 import openai
 import pytest
@@ -110,3 +111,56 @@ async def test_a_client_disconnect_mid_stream_cancels_the_upstream_call(
         await response.content.readline()  # the stream is flowing
         response.close()  # the client goes away
     await asyncio.wait_for(upstream.disconnected.wait(), timeout=5)
+
+
+async def settled(stores: Stores, org_id: object) -> tuple[int, Decimal, Decimal]:
+    """(ledger rows, their total cost, what is still held) of an org, once settlement has run."""
+    assert stores.admin_pool is not None
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:  # settlement runs after the response
+        async with stores.admin_pool.acquire() as conn:
+            ledger = await conn.fetchrow(
+                "SELECT count(*) AS n, coalesce(sum(cost_usd), 0) AS total FROM budget_ledger WHERE org_id = $1",
+                org_id,
+            )
+            held = await conn.fetchval(
+                "SELECT coalesce(sum(held_usd), 0) FROM budget_periods WHERE org_id = $1", org_id
+            )
+        assert ledger is not None
+        if (ledger["n"] and held == 0) or asyncio.get_running_loop().time() > deadline:
+            return ledger["n"], Decimal(ledger["total"]), Decimal(held)
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("cut", ["client-disconnects", "upstream-dies"])
+async def test_a_stream_cut_short_is_billed_for_what_was_forwarded(
+    gateway: RunningProxy, upstream: Upstream, tenants: TenantFactory, stores: Stores, cut: str
+) -> None:
+    t = await tenants.create(directive=None, agent_spec={"budget": {"monthlyLimitUSD": "5.00"}})
+    upstream.reset(
+        Script(endless=True) if cut == "client-disconnects" else Script(drop_after_chunks=3, omit_usage=True)
+    )
+    headers = {"Authorization": f"Bearer {t.keys['alpha']}", "X-IBEX-Agent-ID": str(t.agents["alpha"])}
+    body = {"model": "up-model", "messages": [{"role": "user", "content": "tell me a long story"}], "stream": True}
+    async with ClientSession() as http:
+        response = await http.post(gateway.v1 + "/chat/completions", json=body, headers=headers)
+        assert response.status == 200
+        if cut == "client-disconnects":
+            for _ in range(5):
+                await response.content.readline()  # part of the answer reached the client
+            response.close()
+        else:
+            await response.read()
+            response.close()
+    rows, total, held = await settled(stores, t.org_id)
+    assert rows == 1 and held == 0
+    assert total > 0  # the prompt and the streamed tokens were charged, not released
+    deadline = asyncio.get_running_loop().time() + 15
+    facts: list[tuple[object, ...]] = []
+    while not facts and asyncio.get_running_loop().time() < deadline:  # analytics are flushed in batches
+        facts = await stores.clickhouse.admin_query(
+            "SELECT cost_usd, completion_tokens FROM usage_facts WHERE org_id = {o:UUID}", o=t.org_id
+        )
+        if not facts:
+            await asyncio.sleep(0.1)
+    assert len(facts) == 1 and Decimal(str(facts[0][0])) == total  # usage facts agree with the ledger

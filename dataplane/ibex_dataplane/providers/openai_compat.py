@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Final, NoReturn
 
@@ -421,6 +421,23 @@ def _collect_delta(delta: object, into: list[str]) -> None:
                     piece = function.get(key)
                     if isinstance(piece, str):
                         into.append(piece)
+
+
+def streamed_text(payloads: Iterable[bytes]) -> str:
+    """The completion text (content and tool-call pieces) carried by ``chat.completion.chunk`` payloads; chunks
+    that are not JSON objects are skipped. What the proxy estimates a partial stream's tokens from."""
+    parts: list[str] = []
+    for payload in payloads:
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            continue
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, Mapping):
+                    _collect_delta(choice.get("delta"), parts)
+    return "".join(parts)
 
 
 def _completion_text(choices: list[Any]) -> str:

@@ -25,8 +25,9 @@ from aiohttp import web
 from ibex_dataplane.providers.base import ChatRequest, StreamChunk, StreamDone, Usage
 from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo
 from ibex_dataplane.providers.errors import ProviderError, UpstreamRejected
+from ibex_dataplane.providers.openai_compat import streamed_text
 from ibex_dataplane.providers.registry import ProviderRegistry
-from ibex_dataplane.providers.tokens import estimate_chat_tokens
+from ibex_dataplane.providers.tokens import estimate_chat_tokens, estimate_text_tokens
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder, Trace
 from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetHold, BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.proxy.context import SKIP_HEADER, ContextClient, ContextOutcome
@@ -440,7 +441,12 @@ class ChatHandler:
         served_by = plan.model.name
         response: web.StreamResponse | None = None
         digest = hashlib.sha256()
+        forwarded: list[bytes] = []  # chunks already sent: what a stream cut short is billed from
         started = time.perf_counter()
+
+        def served() -> Usage | None:
+            return usage if usage is not None else self._streamed_usage(plan, forwarded)
+
         try:
             async with self._s.providers.stream(chat) as events:
                 response = web.StreamResponse(
@@ -453,6 +459,7 @@ class ChatHandler:
                     async for event in events:
                         if isinstance(event, StreamChunk):
                             digest.update(event.data)
+                            forwarded.append(event.data)
                             await response.write(b"data: " + event.data + b"\n\n")
                         elif isinstance(event, StreamDone):
                             usage, served_by, plan.provider = event.usage, event.model, event.provider
@@ -465,21 +472,33 @@ class ChatHandler:
         except ProviderError as e:
             self._s.metrics.provider_calls.labels(plan.model.provider, e.code).inc()
             state.extra["error_code"] = e.code
-            self._after(state, plan, usage, served_by)
+            self._after(state, plan, served(), served_by)
             if response is None:
                 return _provider_error_response(e, state)
             return response
         except (ConnectionResetError, asyncio.CancelledError):
-            self._after(state, plan, usage, served_by)
+            self._after(state, plan, served(), served_by)
             raise
         except BaseException:
-            self._after(state, plan, usage, served_by)
+            self._after(state, plan, served(), served_by)
             raise
         plan.upstream_ms = (time.perf_counter() - started) * 1000
         self._s.metrics.provider_calls.labels(plan.model.provider, "ok").inc()
-        self._after(state, plan, usage, served_by, digest.hexdigest())
+        self._after(state, plan, served(), served_by, digest.hexdigest())
         assert response is not None
         return response
+
+    @staticmethod
+    def _streamed_usage(plan: ChatPlan, forwarded: list[bytes]) -> Usage | None:
+        """A conservative usage for a stream that ended without the provider's figures (client gone, upstream
+        died): the prompt the provider was sent plus the tokens of what was already forwarded. Nothing forwarded:
+        nothing served, nothing billed."""
+        if not forwarded:
+            return None
+        family = plan.model.tokenizer_family
+        tools = plan.body.get("tools")
+        prompt = estimate_chat_tokens(plan.body.get("messages", []), family, tools if isinstance(tools, list) else None)
+        return Usage(prompt.tokens, estimate_text_tokens(streamed_text(forwarded), family), estimated=True)
 
     # -- after the answer ----------------------------------------------------------------------------------------
     def _after(
