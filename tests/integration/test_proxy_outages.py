@@ -34,6 +34,7 @@ class World:
     runtime: EmbeddedRuntime
     proxy: RunningProxy
     tenant: Tenant
+    stores: Stores
 
 
 @pytest_asyncio.fixture
@@ -53,7 +54,7 @@ async def world(settings: Settings, pepper: bytes, stores: Stores, runtime_info:
             reconciler = Reconciler(TenantConfigRepository(private.admin_pool, private.redis), sink, pepper)
             tenant = await TenantFactory(reconciler, sink).create(agents=("solo",))
             async with running_proxy(settings, private, pepper) as proxy:
-                yield World(runtime, proxy, tenant)
+                yield World(runtime, proxy, tenant, private)
         finally:
             await private.close()
     finally:
@@ -100,3 +101,33 @@ async def test_a_store_outage_fails_closed_and_recovers(world: World, store: str
         assert elapsed < 5
     await asyncio.to_thread(server.start, port)
     await wait_for_200(world)
+
+
+async def test_a_settlement_interrupted_by_a_postgres_restart_lands_once_when_it_is_back(world: World) -> None:
+    from decimal import Decimal
+
+    from ibex_dataplane.proxy.budget import BudgetPolicy, BudgetService, Enforcement
+
+    budgets = BudgetService(world.stores.db)
+    org, agent = world.tenant.org_id, world.tenant.agents["solo"]
+    policy = BudgetPolicy(org_limit_usd=Decimal("1"), agent_limit_usd=None, enforcement=Enforcement.HARD_CAP)
+    hold = await budgets.hold(org, agent, "req-settle-restart", Decimal("0.01"), policy)
+    port = world.runtime.postgres.port
+    await asyncio.to_thread(world.runtime.postgres.stop)
+    settling = asyncio.create_task(
+        budgets.settle(hold, Decimal("0.004"), model="echo", prompt_tokens=10, completion_tokens=5)
+    )
+    deadline = time.monotonic() + 15
+    while budgets.retrying == 0:  # the first attempt failed and the settle is waiting to retry
+        assert not settling.done(), settling
+        assert time.monotonic() < deadline, "settle never retried"
+        await asyncio.sleep(0.02)
+    await asyncio.to_thread(world.runtime.postgres.start, port)
+    await asyncio.wait_for(settling, timeout=30)
+    await budgets.settle(hold, Decimal("0.004"), model="echo", prompt_tokens=10, completion_tokens=5)  # idempotent
+    spend = await budgets.spend(org)
+    assert (spend.spent_usd, spend.held_usd) == (Decimal("0.004"), Decimal(0))
+    assert world.stores.admin_pool is not None
+    async with world.stores.admin_pool.acquire() as conn:
+        rows = await conn.fetch("SELECT cost_usd FROM budget_ledger WHERE org_id = $1", org)
+    assert [r["cost_usd"] for r in rows] == [Decimal("0.004")]

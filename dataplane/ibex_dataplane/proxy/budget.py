@@ -7,6 +7,12 @@ budget gate (:meth:`BudgetService.hold`), its response path (:meth:`~BudgetServi
 :meth:`~BudgetService.release`), its periodic sweeper (:meth:`~BudgetService.sweep_expired`) and usage reads
 (:meth:`~BudgetService.spend`). Every SQL statement is in :mod:`ibex_dataplane.proxy.budget_repository`.
 
+Settlement is durable against store outages: a settle that cannot reach Postgres (an outage, a restart) is retried
+with backoff until it lands, for up to ``settle_retry_for``; it is idempotent by hold, and a hold the sweeper
+expired in the meantime is still charged, once, late. So the ledger, the spend counters and the usage facts agree
+for every request a provider served, including across a Postgres restart. (A proxy process that dies between
+the answer and the settle loses that settle; its hold expires.)
+
 Guarantees, under any concurrency and any number of proxy replicas: a ``HardCap`` scope never has
 ``spent + held`` above its limit because of a hold (settling to more than was held records the truth and may);
 a hold is placed on the org and the agent or on neither; each request's spend is counted once.
@@ -30,6 +36,7 @@ from ibex_dataplane.proxy.budget_repository import (
     HoldOutcome,
     HoldStatus,
 )
+from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.postgres import Database
 
 __all__ = [
@@ -157,14 +164,17 @@ class BudgetService:
         db: Database,
         *,
         hold_ttl: timedelta = timedelta(minutes=10),
+        settle_retry_for: timedelta = timedelta(hours=1),
         clock: Callable[[], datetime] = utc_now,
     ) -> None:
         if hold_ttl < timedelta(0):
             raise ValueError("hold_ttl must not be negative")
         self._repo = BudgetRepository(db)
         self._hold_ttl = hold_ttl
+        self._settle_retry_for = settle_retry_for.total_seconds()
         self._clock = clock
         self._inflight: set[asyncio.Task[Any]] = set()
+        self.retrying = 0  # settles waiting for Postgres to come back
 
     async def hold(
         self, org_id: UUID, agent_id: UUID, request_id: str, amount_usd: Decimal, policy: BudgetPolicy
@@ -226,17 +236,34 @@ class BudgetService:
         actual = _usd(actual_usd, "actual_usd", ROUND_HALF_EVEN)
         if prompt_tokens < 0 or completion_tokens < 0:
             raise ValueError("token counts must not be negative")
-        before = await self._complete(
-            self._repo.settle_hold(
-                hold.org_id,
-                hold.agent_id,
-                hold.id,
-                actual_usd=actual,
-                model=model,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-            )
-        )
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._settle_retry_for
+        delay = 0.05
+        while True:
+            try:
+                before = await self._complete(
+                    self._repo.settle_hold(
+                        hold.org_id,
+                        hold.agent_id,
+                        hold.id,
+                        actual_usd=actual,
+                        model=model,
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=completion_tokens,
+                    )
+                )
+                break
+            except StoreUnavailable:
+                if loop.time() + delay > give_up:
+                    log.error("settle gave up after retrying (request_id=%s hold=%s)", hold.request_id, hold.id)
+                    raise
+                log.warning("settle deferred, Postgres unavailable (request_id=%s); retrying", hold.request_id)
+                self.retrying += 1
+                try:
+                    await asyncio.sleep(delay)  # backoff before the next attempt, not a synchronization
+                finally:
+                    self.retrying -= 1
+                delay = min(delay * 2, 5.0)
         if before is None:
             log.warning("settle of an unknown budget hold ignored (request_id=%s hold=%s)", hold.request_id, hold.id)
         elif before is HoldStatus.SETTLED:
