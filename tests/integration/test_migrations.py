@@ -14,11 +14,8 @@ from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.errors import MigrationError
 from ibex_dataplane.store.migrations import default_migrations_dir, discover, migrate_clickhouse, migrate_postgres
 
-TENANT_TABLES = {
-    "organizations", "agents", "api_keys", "api_key_agents", "directives", "directive_versions", "sessions",
-    "session_checkpoints", "memories", "memory_labels", "memory_relationships", "idempotency_keys",
-    "budget_periods", "budget_holds", "budget_ledger", "outbox",
-}  # fmt: skip
+# Tables the catalog lists as tenant tables must include at least these (a sanity check on the derivation).
+KNOWN_TENANT_TABLES = {"organizations", "agents", "api_keys", "memories", "budget_holds", "outbox"}
 
 
 async def fresh_database(info: RuntimeInfo) -> str:
@@ -48,12 +45,29 @@ async def test_postgres_migrations_apply_from_zero_and_are_idempotent(runtime_in
                 "WHERE relkind = 'r' AND relnamespace = 'public'::regnamespace"
             )
         }
+        # Every table that carries an org (organizations: its own id) is a tenant table, from the catalog.
+        tenant_tables = {
+            r["table_name"]
+            for r in await conn.fetch(
+                "SELECT table_name FROM information_schema.columns WHERE table_schema = 'public'"
+                " AND column_name = 'org_id'"
+            )
+        } | {"organizations"}
+        definers = await conn.fetch(
+            "SELECT p.oid::regprocedure::text AS name, p.proconfig FROM pg_proc p"
+            " WHERE p.prosecdef AND p.pronamespace = 'public'::regnamespace"
+        )
         app_role = await conn.fetchrow("SELECT rolsuper, rolbypassrls FROM pg_roles WHERE rolname = 'ibex_app'")
     finally:
         await conn.close()
     assert recorded == every_version
-    for table in TENANT_TABLES:
+    assert tenant_tables >= KNOWN_TENANT_TABLES
+    for table in tenant_tables:
         assert rls[table] == (True, True), f"{table} must ENABLE and FORCE row-level security"
+    assert definers, "the schema has SECURITY DEFINER functions; the catalog query found none"
+    for fn in definers:
+        pinned = [c for c in fn["proconfig"] or [] if c.startswith("search_path=")]
+        assert pinned and pinned[0].endswith("pg_temp"), f"{fn['name']} must pin search_path (pg_temp last)"
     assert app_role is not None and not app_role["rolsuper"] and not app_role["rolbypassrls"]
 
 

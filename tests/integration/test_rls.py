@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -11,6 +12,7 @@ from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
 from tests.support.tenants import TenantFactory
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 READABLE = ["organizations", "agents", "api_keys", "api_key_agents", "directives", "directive_versions"]
 
 
@@ -117,3 +119,40 @@ async def test_directive_versions_are_immutable_even_for_the_owner(runtime_info:
     async with stores.admin_pool.acquire() as conn:
         with pytest.raises(asyncpg.IntegrityConstraintViolationError, match="immutable"):
             await conn.execute("UPDATE directive_versions SET content = 'rewritten'")
+
+
+async def test_the_outbox_lease_reveals_ids_and_owners_but_no_tenant_data(
+    stores: Stores, tenants: TenantFactory
+) -> None:
+    """The one cross-tenant read of the data-plane role (finding background work) carries no payload."""
+    t = await tenants.create()
+    async with stores.db.tenant(t.org_id, t.agents["alpha"]) as conn:
+        await conn.execute(
+            "INSERT INTO outbox (org_id, agent_id, kind, payload) VALUES ($1, $2, 'memory.hot_sync', $3::jsonb)",
+            t.org_id, t.agents["alpha"], '{"memory_ids": [], "secret": "tenant data"}',
+        )  # fmt: skip
+    async with stores.db.unscoped() as conn:
+        leased = await conn.fetch("SELECT * FROM ibex_outbox_lease_ids(ARRAY['memory.hot_sync'], 1000, '1 second')")
+        assert leased, "the due event was not leased"
+        assert set(leased[0].keys()) == {"id", "org_id", "agent_id", "kind", "attempts"}
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 0  # and the table itself stays invisible
+
+
+async def test_the_readme_names_every_cross_tenant_function_the_data_plane_may_call(stores: Stores) -> None:
+    """Functions ibex_app may execute that bypass row-level security are either tenant-scoped themselves (they
+    read the current org, or set it from their arguments) or named in the README as the only cross-tenant work."""
+    import re
+
+    readme = README.read_text()
+    bullet = readme[readme.index("- **Tenant isolation**") :].split("\n- ", 1)[0]
+    named = set(re.findall(r"`(ibex_[a-z_]+)\(", bullet))
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT p.proname,"
+            " (p.prosrc LIKE '%ibex_current_org()%' OR p.prosrc LIKE '%ibex_set_tenant(%') AS scoped"
+            " FROM pg_proc p WHERE p.prosecdef AND p.pronamespace = 'public'::regnamespace"
+            " AND has_function_privilege('ibex_app', p.oid, 'EXECUTE')"
+        )
+    cross_tenant = {r["proname"] for r in rows if not r["scoped"]}
+    assert cross_tenant == named, f"README names {sorted(named)}, the catalog has {sorted(cross_tenant)}"

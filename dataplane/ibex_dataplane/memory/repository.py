@@ -462,17 +462,31 @@ class MemoryRepository:
     async def hot_candidates(self, tenant: Tenant, ids: Sequence[UUID]) -> dict[UUID, Memory]:
         return await self.get_many(tenant, ids)
 
-    async def lease_outbox(self, limit: int, lease: float) -> list[asyncpg.Record]:
-        """Due outbox rows of every org (through the narrow SECURITY DEFINER lease function)."""
+    async def lease_outbox(self, limit: int, lease: float) -> list[dict[str, Any]]:
+        """Lease due outbox events of every org, then read their payloads inside each org's own scope.
+
+        The cross-tenant step (a narrow SECURITY DEFINER function) returns ids and owners only; payloads are read
+        under row-level security, one tenant transaction per org. Rows come back with ``payload`` added.
+        """
         async with self._db.unscoped() as conn:
             with postgres_errors():
-                rows: list[asyncpg.Record] = await conn.fetch(
-                    "SELECT * FROM ibex_outbox_lease($1::text[], $2, $3::interval)",
+                leased: list[asyncpg.Record] = await conn.fetch(
+                    "SELECT * FROM ibex_outbox_lease_ids($1::text[], $2, $3::interval)",
                     list(OUTBOX_KINDS),
                     limit,
                     timedelta(seconds=lease),
                 )
-        return rows
+        by_org: dict[UUID, list[int]] = {}
+        for row in leased:
+            by_org.setdefault(row["org_id"], []).append(row["id"])
+        payloads: dict[int, Any] = {}
+        for org_id, ids in by_org.items():
+            async with self._db.tenant(org_id) as conn:
+                for r in await conn.fetch(
+                    "SELECT id, payload FROM outbox WHERE org_id = $1 AND id = ANY($2::bigint[])", org_id, ids
+                ):
+                    payloads[r["id"]] = r["payload"]
+        return [{**dict(row), "payload": payloads.get(row["id"])} for row in leased]
 
     async def outbox_done(self, org_id: UUID, ids: Sequence[int]) -> None:
         async with self._db.tenant(org_id) as conn:
