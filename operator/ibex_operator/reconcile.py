@@ -219,8 +219,11 @@ class Reconciler:
             else:
                 assert existing is not None
                 key_id, secret_hash = existing.id, existing.secret_hash
-            # Store the hash before writing the Secret: a crash in between leaves a Secret that no longer
-            # matches, which the next reconcile detects and repairs by issuing again.
+            # Write the Secret before the hash: a key's hash changes only once a Secret holds its token. If the
+            # Secret cannot be written (a conflict, an outage) the working key is left as it was; a crash in
+            # between leaves a Secret that does not match yet, which the next reconcile repairs by issuing again.
+            if rotate and token is not None:
+                await self._secrets.write(namespace, spec.secret_name, token, owner)
             await self._repo.put_key(
                 key_id=key_id,
                 org_id=org.id,
@@ -234,8 +237,6 @@ class Reconciler:
                 agent_ids=agent_ids,
                 rotated=rotate and existing is not None,
             )
-            if rotate and token is not None:
-                await self._secrets.write(namespace, spec.secret_name, token, owner)
         except StoreUnavailable as e:
             return fail("StoreSynced", "StoreUnavailable", str(e), retryable=True)
         state = "revoked" if spec.revoked else "active"

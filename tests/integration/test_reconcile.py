@@ -5,12 +5,16 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import pytest
+
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.apikeys import parse_token, secret_matches
 from ibex_dataplane.store.keys import TenantKeys
+from ibex_operator.errors import SecretConflict
 from ibex_operator.manifests import apply_manifests, load_manifests
 from ibex_operator.models import AgentSpec, ApiKeySpec, DirectiveSpec, OrganizationSpec
 from ibex_operator.reconcile import Reconciler
+from ibex_operator.repository import TenantConfigRepository
 from ibex_operator.secrets import FileSecretSink
 from tests.support.tenants import NAMESPACE, TenantFactory
 
@@ -147,3 +151,41 @@ async def test_org_changes_move_the_cached_policy_to_a_new_version(
     out = await reconciler.organization(NAMESPACE, t.name, OrganizationSpec(suspended=True), generation=2)
     assert out.ready and out.fields["orgId"] == str(t.org_id)
     assert int(await stores.redis.get(version_key) or 0) == before + 1
+
+
+class RefusingSink:
+    """A Secret store whose writes are refused (as when GitOps stripped the operator's managed-by label)."""
+
+    def __init__(self, inner: FileSecretSink) -> None:
+        self._inner = inner
+        self.attempts = 0
+
+    async def read(self, namespace: str, secret_name: str) -> str | None:
+        return await self._inner.read(namespace, secret_name)
+
+    async def write(self, namespace: str, secret_name: str, token: str, owner: dict[str, str] | None) -> None:
+        self.attempts += 1
+        raise SecretConflict(f"Secret {secret_name} exists and is not managed by the IBEX operator")
+
+
+async def test_a_secret_that_cannot_be_written_never_rotates_the_working_key(
+    tenants: TenantFactory, secret_sink: FileSecretSink, stores: Stores, pepper: bytes
+) -> None:
+    t = await tenants.create(agents=("solo",))
+    working = t.keys["solo"]
+    key_name = f"solo-key-{t.name.removeprefix('org-')}"
+    agent_name = (await _agent_names(stores, t.org_id))[0]
+    spec = ApiKeySpec.model_validate(
+        {"organizationRef": {"name": t.name}, "agentRefs": [{"name": agent_name}], "scopes": ["chat"],
+         "secretName": key_name, "rotation": 1}
+    )  # fmt: skip
+    assert stores.admin_pool is not None
+    refusing = RefusingSink(secret_sink)
+    blocked = Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), refusing, pepper)
+    for generation in (2, 3, 4):  # every retry of the reconcile
+        with pytest.raises(SecretConflict):
+            await blocked.api_key(NAMESPACE, key_name, spec, generation=generation)
+    assert refusing.attempts == 3
+    row = await key_row(stores, t.key_ids["solo"])
+    assert secret_matches(pepper, parse_token(working)[1], row["secret_hash"])  # type: ignore[arg-type]
+    assert await secret_sink.read(NAMESPACE, key_name) == working
