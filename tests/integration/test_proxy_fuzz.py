@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -14,12 +15,15 @@ from hypothesis import strategies as st
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import TenantFactory
 
-json_scalars = (
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=30)
+# Strings as clients can really send them: any code point, NUL and lone surrogates included (json.dumps escapes a
+# lone surrogate as \udXXX, which is not valid UTF-16 text), plus the classic troublemakers.
+nasty_text = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF), max_size=30) | st.sampled_from(
+    ["\x00", "a\x00b", "\ud800", "x\udfffy", "\u2028", "\ufeff", "%00", "../../etc"]
 )
+json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | nasty_text
 json_values = st.recursive(
     json_scalars,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(nasty_text, children, max_size=4),
     max_leaves=12,
 )
 roles = st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard", "", 3])
@@ -102,13 +106,16 @@ async def test_fuzzed_bodies_and_headers_never_cause_a_server_error(
 memory_bodies = st.fixed_dictionaries(
     {},
     optional={
-        "content": st.text(max_size=50) | json_values,
-        "labels": st.lists(st.text(max_size=8), max_size=7) | json_values,
+        "content": nasty_text | json_values,
+        "labels": st.lists(nasty_text, max_size=7) | json_values,
+        "metadata": json_values,
+        "session_id": json_values,
+        "observed_at": json_values,
         "source": st.sampled_from(["user_provided", "extracted", "imported", "alien"]) | json_values,
         "confidence": json_values,
         "valid_from": st.sampled_from(["2024-01-01T00:00:00Z", "yesterday", ""]) | json_values,
         "valid_until": st.sampled_from(["2023-01-01T00:00:00Z", "2030-01-01T00:00:00+02:00"]) | json_values,
-        "query": st.text(max_size=30) | json_values,
+        "query": nasty_text | json_values,
         "limit": json_values,
         "items": st.lists(json_values, max_size=3) | json_values,
     },
@@ -130,4 +137,31 @@ async def test_fuzzed_memory_requests_never_cause_a_server_error(proxy: RunningP
     def fuzz_memory(path: str, body: dict[str, Any]) -> None:
         check_any(*post(proxy.v1 + path, json.dumps(body).encode(), good))
 
+    # Paths and query strings too: any segment, percent-encoded, on every route that takes one.
+    segments = nasty_text.map(lambda t: urllib.parse.quote(t.encode("utf-8", "surrogatepass"), safe=""))
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        route=st.sampled_from(
+            ["GET /v1/memories/{}", "DELETE /v1/memories/{}", "POST /v1/memories/{}/feedback",
+             "POST /v1/sessions/{}/terminate", "GET /v1/memories?cursor={}", "GET /v1/memories?status={}",
+             "GET /v1/memories?limit={}", "GET /v1/usage?group_by={}", "GET /v1/usage?from={}",
+             "GET /v1/orgs/{}/auth-probe"]
+        ),
+        segment=segments,
+    )  # fmt: skip
+    def fuzz_paths(route: str, segment: str) -> None:
+        method, path = route.split(" ", 1)
+        request = urllib.request.Request(
+            proxy.base_url + path.format(segment), data=b"{}" if method == "POST" else None, headers=good,
+            method=method,
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                status, body, ctype = r.status, r.read(), r.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as e:
+            status, body, ctype = e.code, e.read(), e.headers.get("Content-Type", "")
+        check_any(status, body, ctype)
+
     await asyncio.to_thread(fuzz_memory)
+    await asyncio.to_thread(fuzz_paths)
