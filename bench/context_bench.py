@@ -25,12 +25,9 @@ import logging
 import os
 import platform
 import random
-import secrets
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,20 +41,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.memory_bench import copy_rows, pct, query, sentence  # noqa: E402
-from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder  # noqa: E402
-from ibex_dataplane.pii.redactor import PiiRedactor  # noqa: E402
+from bench.stack import embedded_stack  # noqa: E402
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2 as pb  # noqa: E402
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2_grpc as pb_grpc  # noqa: E402
-from ibex_dataplane.runtime.embedded import EmbeddedRuntime  # noqa: E402
-from ibex_dataplane.runtime.stores import Stores, StoreUrls, migrate_all  # noqa: E402
 from ibex_dataplane.security.principal import Principal, PrincipalSigner, grpc_target  # noqa: E402
-from ibex_dataplane.settings import Settings  # noqa: E402
-from ibex_dataplane.store.clickhouse import ClickHouse  # noqa: E402
-from ibex_operator.reconcile import Reconciler  # noqa: E402
-from ibex_operator.repository import TenantConfigRepository  # noqa: E402
-from ibex_operator.secrets import FileSecretSink  # noqa: E402
-from tests.support.proxy import MemoryDeps, running_proxy  # noqa: E402
-from tests.support.tenants import TenantFactory  # noqa: E402
+from tests.support.proxy import running_proxy  # noqa: E402
 
 ASSEMBLE = "/ibex.context.v1.ContextAssembly/Assemble"
 
@@ -83,62 +71,33 @@ def versions() -> str:
 
 async def run(args: argparse.Namespace) -> None:
     rng = random.Random(11)
-    root = Path(tempfile.mkdtemp(prefix="ibex-context-bench-"))
-    runtime = EmbeddedRuntime(root)
-    runtime.start()
-    settings = Settings(_env_file=None)  # type: ignore[call-arg]
-    try:
-        urls = StoreUrls.from_runtime(runtime.info)
-        clickhouse = ClickHouse(urls.clickhouse_url)
-        try:
-            await migrate_all(urls, settings, clickhouse)
-        finally:
-            await clickhouse.close()
-        stores = await Stores.open(urls, settings, admin=True)
-        embedder = OnnxMiniLMEmbedder.from_installed_packages()
-        redactor = PiiRedactor()
-        try:
-            assert stores.admin_pool is not None
-            pepper = secrets.token_bytes(32)
-            sink = FileSecretSink(root / "s.json")
-            factory = TenantFactory(reconciler_for(stores, sink, pepper), sink)
-            tenant = await factory.create(agents=("alpha",), directive="You are the support assistant.")
-            plain = await factory.create(
-                agents=("alpha",), directive="You are the support assistant.", agent_spec={"memory": {"enabled": False}}
-            )
-            texts = [sentence(rng, i) for i in range(args.memories)]
-            vectors = np.vstack([await embedder.embed(texts[i : i + 256]) for i in range(0, len(texts), 256)])
-            await copy_rows(stores, tenant, "alpha", texts, vectors)
-            print(versions(), flush=True)
-            print(f"setup: {args.memories} memories COPY'd for one agent; {args.hot} written through the refinery")
-            async with (
-                running_proxy(settings, stores, pepper, memory=MemoryDeps(embedder, redactor)) as proxy,
-                ClientSession() as http,
-            ):
-                assert proxy.context is not None and proxy.memory is not None
-                headers = {"Authorization": f"Bearer {tenant.keys['alpha']}", "X-IBEX-Agent-ID": "alpha"}
-                headers["X-IBEX-Agent-ID"] = str(tenant.agents["alpha"])
-                for i in range(args.hot):
-                    body = {"content": sentence(rng, args.memories + i)}
-                    async with http.post(proxy.v1 + "/memories", json=body, headers=headers) as r:
-                        assert r.status == 201, await r.text()
-                signer = proxy.memory.signer
-                async with grpc.aio.insecure_channel(proxy.context.address) as channel:
-                    stub = pb_grpc.ContextAssemblyStub(channel)  # type: ignore[no-untyped-call]
-                    for repeat in range(args.repeats):
-                        await one_round(args, rng, stub, signer, tenant, plain, proxy, http, repeat)
-        finally:
-            redactor.close()
-            embedder.close()
-            await stores.close()
-    finally:
-        runtime.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def reconciler_for(stores: Stores, sink: FileSecretSink, pepper: bytes) -> Reconciler:
-    assert stores.admin_pool is not None
-    return Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), sink, pepper)
+    async with embedded_stack("ibex-context-bench-") as stack:
+        settings, stores, embedder = stack.settings, stack.stores, stack.embedder
+        tenant = await stack.tenants.create(agents=("alpha",), directive="You are the support assistant.")
+        plain = await stack.tenants.create(
+            agents=("alpha",), directive="You are the support assistant.", agent_spec={"memory": {"enabled": False}}
+        )
+        texts = [sentence(rng, i) for i in range(args.memories)]
+        vectors = np.vstack([await embedder.embed(texts[i : i + 256]) for i in range(0, len(texts), 256)])
+        await copy_rows(stores, tenant, "alpha", texts, vectors)
+        print(versions(), flush=True)
+        print(f"setup: {args.memories} memories COPY'd for one agent; {args.hot} written through the refinery")
+        async with (
+            running_proxy(settings, stores, stack.pepper, memory=stack.memory_deps) as proxy,
+            ClientSession() as http,
+        ):
+            assert proxy.context is not None and proxy.memory is not None
+            headers = {"Authorization": f"Bearer {tenant.keys['alpha']}", "X-IBEX-Agent-ID": "alpha"}
+            headers["X-IBEX-Agent-ID"] = str(tenant.agents["alpha"])
+            for i in range(args.hot):
+                body = {"content": sentence(rng, args.memories + i)}
+                async with http.post(proxy.v1 + "/memories", json=body, headers=headers) as r:
+                    assert r.status == 201, await r.text()
+            signer = proxy.memory.signer
+            async with grpc.aio.insecure_channel(proxy.context.address) as channel:
+                stub = pb_grpc.ContextAssemblyStub(channel)  # type: ignore[no-untyped-call]
+                for repeat in range(args.repeats):
+                    await one_round(args, rng, stub, signer, tenant, plain, proxy, http, repeat)
 
 
 async def one_round(
@@ -147,6 +106,7 @@ async def one_round(
 ) -> None:  # fmt: skip
     assembly_ms: list[float] = []
     server_ms: list[float] = []
+    phases: dict[str, list[float]] = {"retrieval": [], "pack": [], "format": [], "hot": [], "cold": []}
     placed: list[int] = []
     degraded = 0
     for i in range(args.queries + 20):
@@ -167,11 +127,18 @@ async def one_round(
             continue  # warm-up
         assembly_ms.append(elapsed)
         server_ms.append(response.timings.total_ms)
+        phases["retrieval"].append(response.timings.retrieval_ms)
+        phases["pack"].append(response.timings.pack_ms)
+        phases["format"].append(response.timings.format_ms)
+        for branch in response.branches:
+            if branch.name in phases:
+                phases[branch.name].append(branch.latency_ms)
         placed.append(len(response.memories))
         degraded += response.degradation != pb.NONE
     print(f"-- repeat {repeat + 1}/{args.repeats} (loadavg {os.getloadavg()[0]:.2f})")
     print(summary("Assemble over gRPC (client-side)", assembly_ms))
     print(summary("  of which inside the stage", server_ms))
+    print("  median per phase: " + ", ".join(f"{k} {statistics.median(v):.2f} ms" for k, v in phases.items() if v))
     over = sum(ms > 40 for ms in assembly_ms)
     print(f"  memories placed per assembly: median {statistics.median(placed)}; degraded {degraded}; "
           f"over the 40 ms production deadline: {over}/{len(assembly_ms)}")  # fmt: skip

@@ -23,11 +23,8 @@ import argparse
 import asyncio
 import logging
 import random
-import secrets
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -40,21 +37,14 @@ from aiohttp import ClientSession
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder  # noqa: E402
+from bench.stack import embedded_stack  # noqa: E402
 from ibex_dataplane.memory.app import METRICS  # noqa: E402
 from ibex_dataplane.memory.models import Tenant as MemoryTenant  # noqa: E402
 from ibex_dataplane.memory.refinery import content_hash  # noqa: E402
 from ibex_dataplane.memory.repository import MemoryRepository  # noqa: E402
-from ibex_dataplane.pii.redactor import PiiRedactor  # noqa: E402
-from ibex_dataplane.runtime.embedded import EmbeddedRuntime  # noqa: E402
-from ibex_dataplane.runtime.stores import Stores, StoreUrls, migrate_all  # noqa: E402
-from ibex_dataplane.settings import Settings  # noqa: E402
-from ibex_dataplane.store.clickhouse import ClickHouse  # noqa: E402
-from ibex_operator.reconcile import Reconciler  # noqa: E402
-from ibex_operator.repository import TenantConfigRepository  # noqa: E402
-from ibex_operator.secrets import FileSecretSink  # noqa: E402
+from ibex_dataplane.runtime.stores import Stores  # noqa: E402
 from tests.support.proxy import MemoryDeps, running_proxy  # noqa: E402
-from tests.support.tenants import Tenant, TenantFactory  # noqa: E402
+from tests.support.tenants import Tenant  # noqa: E402
 
 SUBJECTS = ["The user", "Alice", "The support team", "Our CFO", "The on-call engineer", "The customer", "Bob",
             "The design lead", "The warehouse manager", "The new intern", "Priya", "The QA team", "Marco",
@@ -242,134 +232,111 @@ async def run(args: argparse.Namespace) -> list[str]:
         lines.append(line)
 
     rng = random.Random(7)
-    root = Path(tempfile.mkdtemp(prefix="ibex-memory-bench-"))
-    runtime = EmbeddedRuntime(root)
-    runtime.start()
-    settings = Settings(_env_file=None)  # type: ignore[call-arg]
-    try:
-        urls = StoreUrls.from_runtime(runtime.info)
-        clickhouse = ClickHouse(urls.clickhouse_url)
-        try:
-            await migrate_all(urls, settings, clickhouse)
-        finally:
-            await clickhouse.close()
-        stores = await Stores.open(urls, settings, admin=True)
-        embedder = OnnxMiniLMEmbedder.from_installed_packages()
-        redactor = PiiRedactor()
-        try:
-            assert stores.admin_pool is not None
-            pepper = secrets.token_bytes(32)
-            reconciler = Reconciler(
-                TenantConfigRepository(stores.admin_pool, stores.redis), FileSecretSink(root / "s.json"), pepper
+    async with embedded_stack("ibex-memory-bench-") as stack:
+        settings, stores, embedder, redactor, pepper = (
+            stack.settings,
+            stack.stores,
+            stack.embedder,
+            stack.redactor,
+            stack.pepper,
+        )
+        factory = stack.tenants
+        tenant = await factory.create(agents=("alpha",))
+        other = await factory.create(agents=("alpha",))
+        async with (
+            running_proxy(settings, stores, pepper, memory=MemoryDeps(embedder, redactor)) as proxy,
+            ClientSession() as http,
+        ):
+            headers = {"Authorization": f"Bearer {tenant.keys['alpha']}", "X-IBEX-Agent-ID": "alpha"}
+            headers["X-IBEX-Agent-ID"] = str(tenant.agents["alpha"])
+            counter = iter(range(10**9))
+
+            async def post(path: str, body: Any, expect: int = 200) -> Any:
+                async with http.post(proxy.v1 + path, json=body, headers=headers) as r:
+                    payload = await r.json()
+                    assert r.status == expect, (r.status, payload)
+                    return payload
+
+            report(f"machine: {__import__('os').cpu_count()} cores; embedded Postgres 18 + pgvector, Valkey")
+            # Warm-up (model, prepared statements, pools).
+            for _ in range(20):
+                await post("/memories", {"content": sentence(rng, next(counter))}, 201)
+
+            single = await timed(
+                args.single, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)
             )
-            factory = TenantFactory(reconciler, FileSecretSink(root / "s.json"))
-            tenant = await factory.create(agents=("alpha",))
-            other = await factory.create(agents=("alpha",))
-            async with (
-                running_proxy(settings, stores, pepper, memory=MemoryDeps(embedder, redactor)) as proxy,
-                ClientSession() as http,
-            ):
-                headers = {"Authorization": f"Bearer {tenant.keys['alpha']}", "X-IBEX-Agent-ID": "alpha"}
-                headers["X-IBEX-Agent-ID"] = str(tenant.agents["alpha"])
-                counter = iter(range(10**9))
+            report(summary("single write (through proxy)", single))
 
-                async def post(path: str, body: Any, expect: int = 200) -> Any:
-                    async with http.post(proxy.v1 + path, json=body, headers=headers) as r:
-                        payload = await r.json()
-                        assert r.status == expect, (r.status, payload)
-                        return payload
+            total = args.single + 20
+            statuses: dict[int, int] = {}
+            for streams in sorted({1, args.streams}):
+                # Half of the remaining ingest sequentially, the rest with concurrent batch requests (a bulk
+                # importer's natural shape: embedding one batch overlaps PII and Postgres work of another).
+                goal = total + (args.small - total) // (2 if streams == 1 and args.streams > 1 else 1)
+                started = time.perf_counter()
+                before = total
 
-                report(f"machine: {__import__('os').cpu_count()} cores; embedded Postgres 18 + pgvector, Valkey")
-                # Warm-up (model, prepared statements, pools).
-                for _ in range(20):
-                    await post("/memories", {"content": sentence(rng, next(counter))}, 201)
+                async def stream(goal: int = goal) -> None:
+                    nonlocal total
+                    while total < goal:
+                        n = min(100, goal - total)
+                        total += n
+                        body = {"items": [{"content": sentence(rng, next(counter))} for _ in range(n)]}
+                        reply = await post("/memories:batch", body)
+                        for r in reply["results"]:
+                            statuses[r["status"]] = statuses.get(r["status"], 0) + 1
 
-                single = await timed(
-                    args.single, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)
+                await asyncio.gather(*(stream() for _ in range(streams)))
+                elapsed = time.perf_counter() - started
+                report(f"bulk ingest, batches of 100, {streams} stream(s): {total - before} memories in "
+                       f"{elapsed:.1f}s = {(total - before) / elapsed:.0f} memories/s")  # fmt: skip
+
+            report(f"bulk item statuses (201 created, 202 quarantined, 200 duplicate): {sorted(statuses.items())}")
+
+            async def search(_: int) -> None:
+                await post("/memories/search", {"query": query(rng)})
+
+            for _ in range(20):
+                await search(0)
+            assert proxy.memory is not None
+            _, marks = phase_means(proxy.memory.app[METRICS], {})
+            report(summary(f"search at {total // 1000}k (through proxy)", await timed(args.searches, search)))
+            line, marks = phase_means(proxy.memory.app[METRICS], marks)
+            report(line)
+            qvecs = embedder.embed_sync([query(rng) for _ in range(50)])
+            report(f"filtered ANN recall@10 at {total // 1000}k: {await ann_recall(stores, tenant, qvecs):.3f}")
+
+            if args.big > total:
+                extra = args.big - total
+                started = time.perf_counter()
+                texts = [sentence(rng, next(counter)) for _ in range(extra)]
+                noise = [sentence(rng, next(counter)) for _ in range(args.noise)]
+                vectors = embedder.embed_sync(texts + noise)
+                embedded = time.perf_counter() - started
+                await copy_rows(stores, tenant, "alpha", texts, vectors[:extra])
+                await copy_rows(stores, other, "alpha", noise, vectors[extra:])
+                copied = time.perf_counter() - started - embedded
+                report(
+                    f"setup shortcut: embedded {extra + args.noise} texts in {embedded:.0f}s "
+                    f"({(extra + args.noise) / embedded:.0f}/s, embedder only), COPY + HNSW upkeep {copied:.0f}s; "
+                    f"other org: {args.noise} rows"
                 )
-                report(summary("single write (through proxy)", single))
-
-                total = args.single + 20
-                statuses: dict[int, int] = {}
-                for streams in sorted({1, args.streams}):
-                    # Half of the remaining ingest sequentially, the rest with concurrent batch requests (a bulk
-                    # importer's natural shape: embedding one batch overlaps PII and Postgres work of another).
-                    goal = total + (args.small - total) // (2 if streams == 1 and args.streams > 1 else 1)
-                    started = time.perf_counter()
-                    before = total
-
-                    async def stream(goal: int = goal) -> None:
-                        nonlocal total
-                        while total < goal:
-                            n = min(100, goal - total)
-                            total += n
-                            body = {"items": [{"content": sentence(rng, next(counter))} for _ in range(n)]}
-                            reply = await post("/memories:batch", body)
-                            for r in reply["results"]:
-                                statuses[r["status"]] = statuses.get(r["status"], 0) + 1
-
-                    await asyncio.gather(*(stream() for _ in range(streams)))
-                    elapsed = time.perf_counter() - started
-                    report(f"bulk ingest, batches of 100, {streams} stream(s): {total - before} memories in "
-                           f"{elapsed:.1f}s = {(total - before) / elapsed:.0f} memories/s")  # fmt: skip
-
-                report(f"bulk item statuses (201 created, 202 quarantined, 200 duplicate): {sorted(statuses.items())}")
-
-                async def search(_: int) -> None:
-                    await post("/memories/search", {"query": query(rng)})
-
                 for _ in range(20):
                     await search(0)
-                assert proxy.memory is not None
                 _, marks = phase_means(proxy.memory.app[METRICS], {})
-                report(summary(f"search at {total // 1000}k (through proxy)", await timed(args.searches, search)))
-                line, marks = phase_means(proxy.memory.app[METRICS], marks)
-                report(line)
-                qvecs = embedder.embed_sync([query(rng) for _ in range(50)])
-                report(f"filtered ANN recall@10 at {total // 1000}k: {await ann_recall(stores, tenant, qvecs):.3f}")
-
-                if args.big > total:
-                    extra = args.big - total
-                    started = time.perf_counter()
-                    texts = [sentence(rng, next(counter)) for _ in range(extra)]
-                    noise = [sentence(rng, next(counter)) for _ in range(args.noise)]
-                    vectors = embedder.embed_sync(texts + noise)
-                    embedded = time.perf_counter() - started
-                    await copy_rows(stores, tenant, "alpha", texts, vectors[:extra])
-                    await copy_rows(stores, other, "alpha", noise, vectors[extra:])
-                    copied = time.perf_counter() - started - embedded
-                    report(
-                        f"setup shortcut: embedded {extra + args.noise} texts in {embedded:.0f}s "
-                        f"({(extra + args.noise) / embedded:.0f}/s, embedder only), COPY + HNSW upkeep {copied:.0f}s; "
-                        f"other org: {args.noise} rows"
+                report(summary(f"search at {args.big // 1000}k (through proxy)", await timed(args.searches, search)))
+                report(phase_means(proxy.memory.app[METRICS], marks)[0])
+                report(
+                    summary(
+                        f"  repository.search alone at {args.big // 1000}k",
+                        await direct_search(stores, tenant, qvecs),
                     )
-                    for _ in range(20):
-                        await search(0)
-                    _, marks = phase_means(proxy.memory.app[METRICS], {})
-                    report(
-                        summary(f"search at {args.big // 1000}k (through proxy)", await timed(args.searches, search))
-                    )
-                    report(phase_means(proxy.memory.app[METRICS], marks)[0])
-                    report(
-                        summary(
-                            f"  repository.search alone at {args.big // 1000}k",
-                            await direct_search(stores, tenant, qvecs),
-                        )
-                    )
-                    single_big = await timed(
-                        100, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)
-                    )
-                    report(summary(f"single write at {args.big // 1000}k", single_big))
-                    report(
-                        f"filtered ANN recall@10 at {args.big // 1000}k: {await ann_recall(stores, tenant, qvecs):.3f}"
-                    )
-        finally:
-            redactor.close()
-            embedder.close()
-            await stores.close()
-    finally:
-        runtime.stop()
-        shutil.rmtree(root, ignore_errors=True)
+                )
+                single_big = await timed(
+                    100, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)
+                )
+                report(summary(f"single write at {args.big // 1000}k", single_big))
+                report(f"filtered ANN recall@10 at {args.big // 1000}k: {await ann_recall(stores, tenant, qvecs):.3f}")
     return lines
 
 

@@ -1,0 +1,74 @@
+"""The embedded stack the benchmarks run on: fresh stores, migrations, the embedder, the PII redactor, and a
+tenant factory that goes through the real reconcile code. Used by ``memory_bench.py`` and ``context_bench.py``."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder  # noqa: E402
+from ibex_dataplane.pii.redactor import PiiRedactor  # noqa: E402
+from ibex_dataplane.runtime.embedded import EmbeddedRuntime  # noqa: E402
+from ibex_dataplane.runtime.stores import Stores, StoreUrls, migrate_all  # noqa: E402
+from ibex_dataplane.settings import Settings  # noqa: E402
+from ibex_dataplane.store.clickhouse import ClickHouse  # noqa: E402
+from ibex_operator.reconcile import Reconciler  # noqa: E402
+from ibex_operator.repository import TenantConfigRepository  # noqa: E402
+from ibex_operator.secrets import FileSecretSink  # noqa: E402
+from tests.support.proxy import MemoryDeps  # noqa: E402
+from tests.support.tenants import TenantFactory  # noqa: E402
+
+
+@dataclass
+class Stack:
+    root: Path
+    settings: Settings
+    stores: Stores
+    embedder: OnnxMiniLMEmbedder
+    redactor: PiiRedactor
+    pepper: bytes
+    tenants: TenantFactory
+
+    @property
+    def memory_deps(self) -> MemoryDeps:
+        return MemoryDeps(self.embedder, self.redactor)
+
+
+@asynccontextmanager
+async def embedded_stack(prefix: str) -> AsyncIterator[Stack]:
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    runtime = EmbeddedRuntime(root)
+    runtime.start()
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    try:
+        urls = StoreUrls.from_runtime(runtime.info)
+        clickhouse = ClickHouse(urls.clickhouse_url)
+        try:
+            await migrate_all(urls, settings, clickhouse)
+        finally:
+            await clickhouse.close()
+        stores = await Stores.open(urls, settings, admin=True)
+        embedder = OnnxMiniLMEmbedder.from_installed_packages()
+        redactor = PiiRedactor()
+        try:
+            assert stores.admin_pool is not None
+            pepper = secrets.token_bytes(32)
+            sink = FileSecretSink(root / "s.json")
+            reconciler = Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), sink, pepper)
+            yield Stack(root, settings, stores, embedder, redactor, pepper, TenantFactory(reconciler, sink))
+        finally:
+            redactor.close()
+            embedder.close()
+            await stores.close()
+    finally:
+        runtime.stop()
+        shutil.rmtree(root, ignore_errors=True)
