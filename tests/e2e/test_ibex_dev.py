@@ -9,6 +9,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -222,3 +223,22 @@ async def test_stages_run_as_separate_processes_over_ibex_devs_stores(scratch: P
                     assert r.headers["X-IBEX-Memories-Injected"] == "1"
                     echoed = json.loads((await r.json())["choices"][0]["message"]["content"])
                 assert f'id="{created}">The customer prefers e-mail over phone calls.</memory>' in echoed[-1]["content"]
+
+
+@contextmanager
+def cpu_load(processes: int = 2) -> Iterator[None]:
+    """Busy processes on every core, as on a loaded CI machine."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+
+
+async def test_ready_means_ready_even_on_a_loaded_machine(scratch: Path) -> None:
+    with cpu_load(), ibex_dev(scratch / "data", scratch / "keys.json") as dev:
+        async with ClientSession() as http, http.get(dev.url + "/readyz") as r:
+            body = await r.json()
+        assert (r.status, body["checks"]) == (200, {"postgres": "ok", "redis": "ok", "clickhouse": "ok"}), body

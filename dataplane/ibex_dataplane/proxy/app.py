@@ -176,6 +176,7 @@ def create_app(
         await listener.start()
         await analytics.start()
         await context_client.start()
+        await health.warm()  # before the process reports ready: first store calls may be slow to open
         sweeper = asyncio.create_task(_sweep(budgets, sessions), name="ibex-sweeper")
         try:
             yield
