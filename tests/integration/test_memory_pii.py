@@ -101,3 +101,22 @@ async def test_planted_pii_is_masked_in_every_output_and_in_the_embedding(
     # The stored vector is the embedding of the masked text, not of the original.
     assert float(vector @ masked) > 0.999
     assert float(vector @ raw) < 0.99
+
+
+async def test_quarantined_memories_are_listed_for_review_only_when_asked_and_never_searched(
+    proxy: RunningProxy, tenants: TenantFactory
+) -> None:
+    t = await tenants.create()
+    async with memory_client(proxy, t) as client:
+        held = await client.write({"content": f"Reference {SSN} for the file."})
+        assert held.status == 202
+        held_id = held.body["memory"]["id"]
+        await client.write({"content": "An ordinary note about the file."})
+        review = await client.list("status=quarantined")
+        default = await client.list()
+        found = await client.search(f"reference {SSN} file")
+    assert review.status == 200
+    assert [(m["id"], m["status"], m["content"]) for m in review.body["data"]] == [(held_id, "quarantined", None)]
+    assert held_id not in {m["id"] for m in default.body["data"]}
+    assert held_id not in {h["memory"]["id"] for h in found.body["results"]}
+    assert SSN not in review.raw.decode()

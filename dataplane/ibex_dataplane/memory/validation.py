@@ -287,7 +287,7 @@ class ListQuery:
     cursor: ListCursor | None = None
 
 
-_LISTABLE = (MemoryStatus.ACTIVE, MemoryStatus.SUPERSEDED)
+_LISTABLE = (MemoryStatus.ACTIVE, MemoryStatus.SUPERSEDED, MemoryStatus.QUARANTINED)  # quarantined: for review
 
 
 def parse_list(params: Mapping[str, str]) -> ListQuery:

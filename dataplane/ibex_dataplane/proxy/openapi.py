@@ -132,7 +132,7 @@ def openapi_document() -> dict[str, Any]:
                     _op("Write one memory through the refinery", body=_MEMORY_WRITE, errors=(409, 413, 415)),
                     _IDEMPOTENCY,
                 ),
-                "get": _op("List the agent's memories (cursor pagination, status filter)"),
+                "get": _op("List the agent's memories (cursor pagination; status active, superseded or quarantined)"),
             },
             "/v1/memories:batch": {
                 "post": _with(
