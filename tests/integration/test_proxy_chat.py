@@ -93,3 +93,18 @@ async def test_models_lists_what_the_org_may_use(proxy: RunningProxy, tenants: T
     async with client(proxy, t.keys["alpha"], str(t.agents["alpha"])) as ai:
         models = [m.id async for m in ai.models.list()]
     assert models == ["echo"]
+
+
+async def test_a_model_whose_provider_is_not_configured_is_not_listed_and_is_a_clear_client_error(
+    proxy: RunningProxy, tenants: TenantFactory
+) -> None:
+    t = await tenants.create(org_spec={"models": {"allow": ["gpt-4o*", "echo*"], "default": "echo"}})
+    async with client(proxy, t.keys["alpha"], str(t.agents["alpha"])) as ai:
+        listed = {m.id for m in (await ai.models.list()).data}
+        with pytest.raises(openai.BadRequestError) as refused:
+            await ai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert "echo" in listed and "gpt-4o" not in listed
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "VALIDATION_ERROR"
+    message = error["message"]
+    assert "provider 'openai', which is not configured" in message and "IBEX_PROVIDERS_FILE" in message

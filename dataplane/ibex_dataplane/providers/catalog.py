@@ -238,3 +238,11 @@ def catalog_for(providers_file: Path | None, *, echo_input_price: Decimal, echo_
     return ModelCatalog.from_config(
         config, echo_input_price_per_mtok=echo_input_price, echo_output_price_per_mtok=echo_output_price
     )
+
+
+def configured_providers(config: Mapping[str, Any]) -> frozenset[str]:
+    """Providers a deployment can call: the built-in echo plus every ``providers`` entry of the providers file.
+    A catalogued model whose provider is not among them cannot be served here (a configuration gap, not an
+    outage)."""
+    providers = config.get("providers") if isinstance(config, Mapping) else None
+    return frozenset({ECHO_PROVIDER, *(providers.keys() if isinstance(providers, Mapping) else ())})

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ibex_dataplane.providers.catalog import ModelCatalog, load_provider_config
+from ibex_dataplane.providers.catalog import ModelCatalog, configured_providers, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
 from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
@@ -117,6 +117,13 @@ def create_app(
         echo_input_price_per_mtok=settings.echo_input_price_per_mtok,
         echo_output_price_per_mtok=settings.echo_output_price_per_mtok,
     )
+    served_by = configured_providers(provider_config or {})
+
+    def servable(name: str) -> str | None:
+        """None when the model can be served, else the provider it needs that is not configured."""
+        info = catalog.get(name)
+        return None if info is None or info.provider in served_by else info.provider
+
     repo = ProxyRepository(stores.db)
     key_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_key, decode=decode_key)
     policy_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_policy, decode=decode_policy)
@@ -162,7 +169,7 @@ def create_app(
         chat_pipeline = GatePipeline(
             [
                 *bound,
-                ("model_policy", model_policy(catalog)),
+                ("model_policy", model_policy(catalog, servable)),
                 ("rate_limit", rate_limit(services.rate_limiter)),
                 ("validation", validate_request),
                 ("idempotency", idempotency(services.idempotency)),
@@ -199,7 +206,7 @@ def create_app(
 
     routes = ProtectedRoutes(
         keyed=GatePipeline(keyed, metrics), bound=GatePipeline(bound, metrics), catalog=catalog, sessions=sessions,
-        policies=policies, clickhouse=stores.clickhouse,
+        policies=policies, clickhouse=stores.clickhouse, servable=servable,
     )  # fmt: skip
     health = HealthChecks(
         {

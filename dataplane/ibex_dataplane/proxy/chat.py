@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -130,7 +130,7 @@ def _plan(state: GateState) -> ChatPlan:
 # -- chat gates --------------------------------------------------------------------------------------------------
 
 
-def model_policy(catalog: ModelCatalog) -> Any:
+def model_policy(catalog: ModelCatalog, servable: Callable[[str], str | None] = lambda name: None) -> Any:
     async def gate(state: GateState) -> None:
         policy, agent = state.require_agent()
         body = state.json_or_none()  # a broken body is reported by the validation gate, in its turn
@@ -147,6 +147,14 @@ def model_policy(catalog: ModelCatalog) -> Any:
         info = catalog.get(name)
         if info is None:
             raise ApiError(404, "NOT_FOUND", f"model '{name}' does not exist")
+        missing = servable(name)
+        if missing is not None:  # a configuration gap, not an outage: say which setting closes it
+            raise ApiError(
+                400, "VALIDATION_ERROR",
+                f"model '{name}' needs provider '{missing}', which is not configured on this gateway: add it to the"
+                " providers file named by IBEX_PROVIDERS_FILE (see docs/providers.md)",
+                field_errors=[{"field": "model", "message": f"provider '{missing}' is not configured"}],
+            )  # fmt: skip
         limits = RateLimits(agent_rpm=agent.rpm, agent_tpm=agent.tpm, org_rpm=policy.rpm, org_tpm=policy.tpm)
         state.extra["chat"] = ChatPlan(model=info, limits=limits)
 

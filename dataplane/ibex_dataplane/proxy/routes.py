@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 
 from aiohttp import web
@@ -27,6 +28,7 @@ class ProtectedRoutes:
         sessions: SessionService,
         policies: PolicyService,
         clickhouse: ClickHouse,
+        servable: Callable[[str], str | None] = lambda name: None,
     ) -> None:
         self._keyed = keyed  # body, content type, key (no agent needed)
         self._bound = bound  # ... plus agent binding and status
@@ -34,6 +36,7 @@ class ProtectedRoutes:
         self._sessions = sessions
         self._policies = policies
         self._clickhouse = clickhouse
+        self._servable = servable
 
     async def _run(self, pipeline: GatePipeline, request: web.Request, scope: str) -> GateState:
         state = GateState(request, request_id_of(request), scope)
@@ -51,7 +54,7 @@ class ProtectedRoutes:
             {"id": m.name, "object": "model", "created": created, "owned_by": m.provider,
              "context_window": m.context_window, "max_output_tokens": m.max_output_tokens}
             for m in self._catalog
-            if policy is not None and policy.model_allowed(m.name)
+            if policy is not None and policy.model_allowed(m.name) and self._servable(m.name) is None
         ]  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
