@@ -46,6 +46,7 @@ async def test_traces_and_usage_are_recorded_per_org(
             break
         await asyncio.sleep(0.2)
     assert [row["key"] for row in report["data"]] == [str(a.agents["alpha"])]
+    assert report["data"][0]["agent_name"] == f"alpha-{a.name.removeprefix('org-')}"  # the name people read
     assert report["data"][0]["requests"] == 1
     assert float(report["data"][0]["cost_usd"]) > 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
+from uuid import UUID
 
 from aiohttp import web
 
@@ -119,6 +120,14 @@ class ProtectedRoutes:
         if errors:
             raise ApiError(400, "VALIDATION_ERROR", "invalid usage query", field_errors=errors)
         data = await usage_report(self._clickhouse, caller.org_id, group_by, start, end)
+        if group_by == "agent":  # people read names: add the agent's name next to its id
+            policy = await self._policies.snapshot(caller.org_id)
+            for row in data:
+                try:
+                    agent = policy.agents.get(UUID(row["key"])) if policy is not None else None
+                except ValueError:
+                    agent = None
+                row["agent_name"] = agent.name if agent is not None else None
         return web.json_response(
             {"object": "usage", "org_id": str(caller.org_id), "group_by": group_by, "from": start.isoformat(),
              "to": end.isoformat(), "data": data}
