@@ -53,8 +53,11 @@ def _configure_logging(settings: Settings) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("presidio-analyzer", "presidio-anonymizer", "kopf", "asyncio"):
+    for noisy in ("presidio-anonymizer", "kopf", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    # Presidio warns once per recognizer of a language we do not load (es, it, pl ...) at every start: expected
+    # with an English-only registry, so only its errors are shown.
+    logging.getLogger("presidio-analyzer").setLevel(max(logging.ERROR, logging.getLogger().level))
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
