@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
-import redis.asyncio as aioredis
 
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.errors import EmbeddedStoreError
@@ -20,7 +19,7 @@ from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_clickhouse, migrate_postgres
 from ibex_dataplane.store.postgres import Database, create_pool
-from ibex_dataplane.store.redis import create_redis
+from ibex_dataplane.store.redis import RedisClient, create_redis
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class Stores:
 
     db: Database
     admin_pool: asyncpg.Pool | None
-    redis: aioredis.Redis
+    redis: RedisClient
     clickhouse: ClickHouse
     owns_clickhouse: bool = True
 
