@@ -2,7 +2,8 @@
 
 Used by ``tests/integration/test_redis_cluster.py`` (through a session fixture there). The slots are split in three
 ranges with ``CLUSTER ADDSLOTSRANGE``, the nodes meet with ``CLUSTER MEET``, and :func:`start_cluster` returns once
-every node reports ``cluster_state:ok`` and agrees on the slot map. No replicas: the tests are about routing and
+every node reports ``cluster_state:ok`` and agrees on the slot map. Each node's cluster bus gets its own free port
+(the default, port + 10000, may be taken or above 65535). No replicas: the tests are about routing and
 single-slot keys, not failover.
 """
 
@@ -54,7 +55,7 @@ def _wait_until(check: object, what: str, deadline: float) -> None:
     assert callable(check)
     while not check():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"Valkey cluster: {what} not reached in time")
+            raise TimeoutError(f"Valkey cluster: {what} not reached in time (logs under the test's temp dir)")
         time.sleep(0.02)
 
 
@@ -85,6 +86,7 @@ def start_cluster(timeout: float = 30.0) -> Iterator[ValkeyCluster]:
     cluster = ValkeyCluster([free_port() for _ in range(_NODES)], root)
     try:
         binary = str(valkey_binary())
+        bus_ports = {port: free_port() for port in cluster.ports}
         for port in cluster.ports:
             node_dir = root / str(port)
             node_dir.mkdir()
@@ -92,6 +94,7 @@ def start_cluster(timeout: float = 30.0) -> Iterator[ValkeyCluster]:
                 cluster.procs.append(
                     subprocess.Popen(
                         [binary, "--bind", "127.0.0.1", "--port", str(port), "--cluster-enabled", "yes",
+                         "--cluster-port", str(bus_ports[port]),
                          "--cluster-config-file", str(node_dir / "nodes.conf"), "--dir", str(node_dir),
                          "--save", "", "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
                         stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
@@ -105,7 +108,7 @@ def start_cluster(timeout: float = 30.0) -> Iterator[ValkeyCluster]:
                 client.execute_command("CLUSTER ADDSLOTSRANGE", first, last)
         with redis.Redis(host="127.0.0.1", port=cluster.ports[0]) as client:
             for port in cluster.ports[1:]:
-                client.execute_command("CLUSTER MEET", "127.0.0.1", port)
+                client.execute_command("CLUSTER MEET", "127.0.0.1", port, bus_ports[port])
         _wait_until(lambda: _converged(cluster.ports), "cluster_state:ok on every node", deadline)
         yield cluster
     finally:

@@ -16,7 +16,13 @@ from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -27,6 +33,8 @@ RedisClient: TypeAlias = aioredis.Redis | RedisCluster
 
 # A cluster that lost a primary, has unassigned slots, or is mid-resharding past the client's retries is as
 # unavailable as an unreachable standalone server (redirections, MOVED/ASK, are followed by the client itself).
+# redis-py raises RedisClusterException when no startup node answers; it also uses it for cross-slot misuse, which
+# our keys cannot produce (every multi-key command and script stays inside one org's or one key id's hash tag).
 REDIS_DOWN: tuple[type[BaseException], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
@@ -35,6 +43,7 @@ REDIS_DOWN: tuple[type[BaseException], ...] = (
     ClusterError,
     SlotNotCoveredError,
     TryAgainError,
+    RedisClusterException,
 )
 
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
@@ -95,6 +104,21 @@ def create_redis(url: str, *, timeout: float = 2.0, max_connections: int = 200) 
     )
     client: aioredis.Redis = aioredis.Redis.from_pool(pool)  # the client owns and closes the pool
     return client
+
+
+async def discover(client: RedisClient) -> bool:
+    """Learn a cluster's slot map now, before requests arrive; a no-op for a standalone client.
+
+    redis-py's cluster client otherwise initializes on its first command, and concurrent first commands then race
+    on half-set-up connections. An unreachable cluster is not fatal here (False): it initializes on first use and
+    until then every command fails as :class:`StoreUnavailable`, like a standalone Redis that is down."""
+    if not isinstance(client, RedisCluster):
+        return True
+    try:
+        await client.initialize()
+    except REDIS_DOWN:
+        return False
+    return True
 
 
 async def scan_tagged(client: RedisClient, match: str, *, count: int = 500) -> AsyncIterator[bytes]:
