@@ -28,7 +28,9 @@ class Settings(BaseSettings):
     )
     postgres_pool_min: int = Field(default=2, ge=0, description="Minimum connections in each Postgres pool.")
     postgres_pool_max: int = Field(default=10, ge=1, description="Maximum connections in each Postgres pool.")
-    redis_url: SecretStr | None = Field(default=None, description="Redis/Valkey URL. Embedded when unset.")
+    redis_url: SecretStr | None = Field(
+        default=None, description="Redis/Valkey URL (a Cluster: redis+cluster://host:port,...). Embedded when unset."
+    )
     clickhouse_url: SecretStr | None = Field(
         default=None,
         description="ClickHouse URL: http(s)://... in production (may carry credentials), chdb:///path locally.",

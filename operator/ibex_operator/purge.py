@@ -9,8 +9,9 @@ statement that deletes tenant data and the ``tenant_deletions`` record (migratio
    purged without a change here.
 2. Redis: caches are first moved to a new version and every replica is told (``ibex:invalidate``), then the
    tenant's keys are removed with SCAN + DEL over ``TenantKeys(org).pattern()`` (an agent: only the keys that name
-   it). Cached API key records of the removed keys are deleted too; their version counters stay (a number, no
-   tenant data) so a reader that loaded before the commit can only write under a version nobody reads again.
+   it); on a Redis Cluster only the primary serving the org's hash-tag slot holds them, and only it is scanned.
+   Cached API key records of the removed keys are deleted too; their version counters stay (a number, no tenant data)
+   so a reader that loaded before the commit can only write under a version nobody reads again.
 3. ClickHouse: ``ALTER TABLE ... DELETE WHERE org_id = ...`` on every MergeTree table with an ``org_id`` column,
    waiting for the mutation.
 
@@ -27,13 +28,12 @@ from typing import Any
 from uuid import UUID
 
 import asyncpg
-import redis.asyncio as aioredis
 
 from ibex_dataplane.store.clickhouse import ClickHouse, org_query
 from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.keys import GlobalKeys, TenantKeys
 from ibex_dataplane.store.postgres import CONNECTION_ERRORS
-from ibex_dataplane.store.redis import REDIS_DOWN, unavailable
+from ibex_dataplane.store.redis import REDIS_DOWN, RedisClient, scan_tagged, unavailable
 from ibex_operator.repository import TenantConfigRepository
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class TenantPurger:
     """Deletes tenant data across Postgres (privileged pool), Redis and ClickHouse; records each deletion."""
 
     def __init__(
-        self, pool: asyncpg.Pool, redis: aioredis.Redis, clickhouse: ClickHouse, repo: TenantConfigRepository
+        self, pool: asyncpg.Pool, redis: RedisClient, clickhouse: ClickHouse, repo: TenantConfigRepository
     ) -> None:
         self._pool = pool
         self._redis = redis
@@ -287,7 +287,7 @@ class TenantPurger:
         counts: dict[str, int] = {}
         try:
             batch: list[bytes] = []
-            async for raw in self._redis.scan_iter(match=pattern, count=_SCAN_BATCH):
+            async for raw in scan_tagged(self._redis, pattern, count=_SCAN_BATCH):
                 key = raw.decode() if isinstance(raw, bytes) else str(raw)
                 if keep is not None and not keep(key):
                     continue

@@ -17,12 +17,11 @@ from typing import Any
 from uuid import UUID
 
 import asyncpg
-import redis.asyncio as aioredis
 
 from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.keys import GlobalKeys, TenantKeys
 from ibex_dataplane.store.postgres import CONNECTION_ERRORS
-from ibex_dataplane.store.redis import REDIS_DOWN, unavailable
+from ibex_dataplane.store.redis import REDIS_DOWN, RedisClient, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ class DirectiveState:
 class TenantConfigRepository:
     """Writes organizations, agents, directives and API keys; invalidates what the data plane caches."""
 
-    def __init__(self, pool: asyncpg.Pool, redis: aioredis.Redis) -> None:
+    def __init__(self, pool: asyncpg.Pool, redis: RedisClient) -> None:
         self._pool = pool
         self._redis = redis
 

@@ -64,8 +64,10 @@ def test_a_tenant_key_needs_a_part_after_the_org() -> None:
         TenantKeys(uuid.uuid4()).key()
 
 
-def test_global_keys_are_not_tenant_tagged_and_validate_ids() -> None:
-    assert cluster_hash_tag(GlobalKeys.api_key("abcdefgh23456723")) is None
+def test_api_key_cache_keys_are_tagged_by_the_key_id_not_an_org_and_validate_ids() -> None:
+    key = GlobalKeys.api_key("abcdefgh23456723")
+    assert cluster_hash_tag(key) == cluster_hash_tag(key + ":v4") == "abcdefgh23456723"  # version and value: one slot
+    assert cluster_hash_tag(GlobalKeys.INVALIDATION_CHANNEL) is None
     with pytest.raises(TenantKeyError):
         GlobalKeys.api_key("x}{y")
 

@@ -12,11 +12,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from uuid import UUID
 
-import redis.asyncio as aioredis
-
 from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.store.keys import TenantKeys
-from ibex_dataplane.store.redis import redis_errors
+from ibex_dataplane.store.redis import RedisClient, redis_errors
 
 DEFAULT_SIZE = 200
 # A memory's value moves it up by at most this much, in seconds: a very useful, confident memory ranks like one
@@ -31,7 +29,7 @@ def hot_score(memory: Memory) -> float:
 
 
 class HotCache:
-    def __init__(self, redis: aioredis.Redis, *, size: int = DEFAULT_SIZE) -> None:
+    def __init__(self, redis: RedisClient, *, size: int = DEFAULT_SIZE) -> None:
         self._redis = redis
         self._size = size
 

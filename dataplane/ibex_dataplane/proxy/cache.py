@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import orjson
-import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from ibex_dataplane.store.redis import redis_errors
+from ibex_dataplane.store.redis import RedisClient, redis_errors
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class TieredCache(Generic[T]):
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         *,
         encode: Callable[[T], bytes],
         decode: Callable[[bytes], T],
@@ -140,7 +139,7 @@ class InvalidationListener:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         channel: str,
         handler: Callable[[dict[str, str]], None],
         caches: list[TieredCache[Any]],

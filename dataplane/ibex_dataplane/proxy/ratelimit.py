@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from typing import Final
 from uuid import UUID
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ibex_dataplane.store.keys import TenantKeys
-from ibex_dataplane.store.redis import REDIS_DOWN, unavailable
+from ibex_dataplane.store.redis import REDIS_DOWN, RedisClient, unavailable
 
 WINDOW_SECONDS: Final = 60
 """Length of a rate-limit window; limits are per minute."""
@@ -253,7 +252,7 @@ class RateLimiter:
     :class:`~ibex_dataplane.store.errors.StoreUnavailable`: the gate fails closed.
     """
 
-    def __init__(self, redis: aioredis.Redis, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, redis: RedisClient, *, clock: Callable[[], float] | None = None) -> None:
         self._clock = clock
         # register_script runs EVALSHA and loads the script on NOSCRIPT (e.g. after a Redis restart or failover).
         self._admit = redis.register_script(_ADMIT_LUA)

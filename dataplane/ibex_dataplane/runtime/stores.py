@@ -6,13 +6,13 @@ Used by the CLI (the composition root) and by the test fixtures, so both wire st
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
-import redis.asyncio as aioredis
 
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.errors import EmbeddedStoreError
@@ -20,7 +20,9 @@ from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_clickhouse, migrate_postgres
 from ibex_dataplane.store.postgres import Database, create_pool
-from ibex_dataplane.store.redis import create_redis
+from ibex_dataplane.store.redis import RedisClient, create_redis, discover
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class Stores:
 
     db: Database
     admin_pool: asyncpg.Pool | None
-    redis: aioredis.Redis
+    redis: RedisClient
     clickhouse: ClickHouse
     owns_clickhouse: bool = True
 
@@ -86,6 +88,8 @@ class Stores:
         redis = create_redis(urls.redis_url)
         admin_pool: asyncpg.Pool | None = None
         try:
+            if not await discover(redis):
+                log.warning("Redis Cluster not reachable at startup; commands fail with 503 until it is")
             pool = await create_pool(
                 urls.postgres_app_dsn,
                 min_size=settings.postgres_pool_min,

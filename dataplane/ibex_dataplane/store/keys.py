@@ -3,7 +3,8 @@
 Tenant keys always embed the org id as the Redis Cluster hash tag (``ibex:{<org>}:...``): a tenant's keys share a
 slot, so multi-key Lua scripts stay single-slot, and no code path can produce a tenant key without an org. Parts
 may not contain braces, so the org is always the first and only hash tag. The few keys read before a tenant is
-known (the API key cache, the invalidation channel) are global and named as such.
+known (the API key cache, the invalidation channel) are global and named as such; an API key's cache keys use the
+key id as their hash tag, for the same reason.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class GlobalKeys:
 
     @staticmethod
     def api_key(key_id: str) -> str:
-        return f"{PREFIX}:apikey:{_check_part(key_id)}"
+        """The key id is the hash tag: the versioned cache keeps ``<this>`` and ``<this>:v<n>`` in one slot."""
+        return f"{PREFIX}:apikey:{{{_check_part(key_id)}}}"
 
     INVALIDATION_CHANNEL = f"{PREFIX}:invalidate"
