@@ -538,9 +538,12 @@ async def test_budgets_fail_closed_while_postgres_is_down_and_resume_after_a_res
             hold = await budgets.hold(org, agent, rid(), D("0.10"), HARD)
 
             await asyncio.to_thread(pg.stop)
+            # A settle does not fail: it waits for Postgres and lands once it is back (settlement is durable).
+            settling = asyncio.create_task(
+                budgets.settle(hold, D("0.05"), model="echo", prompt_tokens=1, completion_tokens=1)
+            )
             calls: list[Callable[[], Awaitable[Any]]] = [
                 lambda: budgets.hold(org, agent, rid(), D("0.10"), HARD),
-                lambda: budgets.settle(hold, D("0.05"), model="echo", prompt_tokens=1, completion_tokens=1),
                 lambda: budgets.release(hold),
                 lambda: budgets.spend(org),
                 lambda: budgets.sweep_expired(),
@@ -553,7 +556,8 @@ async def test_budgets_fail_closed_while_postgres_is_down_and_resume_after_a_res
             monkeypatch.setattr(embedded, "free_port", lambda: port)  # come back where the pool looks
             await asyncio.to_thread(pg.start)
             again = await eventually(lambda: budgets.hold(org, agent, rid(), D("0.10"), HARD))
-            await budgets.settle(hold, D("0.05"), model="echo", prompt_tokens=1, completion_tokens=1)
+            await asyncio.wait_for(settling, timeout=30)
+            await budgets.settle(hold, D("0.05"), model="echo", prompt_tokens=1, completion_tokens=1)  # idempotent
             await budgets.release(again)
             snapshot = await budgets.spend(org, agent)
             assert (snapshot.spent_usd, snapshot.held_usd) == (D("0.05"), 0)

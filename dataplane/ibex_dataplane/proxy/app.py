@@ -192,6 +192,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             await listener.stop()
+            budgets.stop_retrying()  # settles waiting on a lost Postgres end now instead of holding up shutdown
             await background.drain()
             await budgets.drain()
             await analytics.stop()

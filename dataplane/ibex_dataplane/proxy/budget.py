@@ -21,6 +21,7 @@ a hold is placed on the org and the agent or on neither; each request's spend is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -175,6 +176,7 @@ class BudgetService:
         self._clock = clock
         self._inflight: set[asyncio.Task[Any]] = set()
         self.retrying = 0  # settles waiting for Postgres to come back
+        self._closing = asyncio.Event()  # set at shutdown: waiting settles give up (their holds expire)
 
     async def hold(
         self, org_id: UUID, agent_id: UUID, request_id: str, amount_usd: Decimal, policy: BudgetPolicy
@@ -254,13 +256,14 @@ class BudgetService:
                 )
                 break
             except StoreUnavailable:
-                if loop.time() + delay > give_up:
+                if loop.time() + delay > give_up or self._closing.is_set():
                     log.error("settle gave up after retrying (request_id=%s hold=%s)", hold.request_id, hold.id)
                     raise
                 log.warning("settle deferred, Postgres unavailable (request_id=%s); retrying", hold.request_id)
                 self.retrying += 1
-                try:
-                    await asyncio.sleep(delay)  # backoff before the next attempt, not a synchronization
+                try:  # back off before the next attempt; shutdown cuts the wait short
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._closing.wait(), delay)
                 finally:
                     self.retrying -= 1
                 delay = min(delay * 2, 5.0)
@@ -305,8 +308,13 @@ class BudgetService:
             log.info("expired %d budget holds past their ttl", total)
         return total
 
+    def stop_retrying(self) -> None:
+        """At shutdown: settles waiting for Postgres stop waiting (a process that stops cannot retry)."""
+        self._closing.set()
+
     async def drain(self) -> None:
         """Wait for settles and releases whose callers went away (call at shutdown, before closing the pool)."""
+        self.stop_retrying()
         while self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
 
