@@ -88,3 +88,60 @@ def reconciler(stores: Stores, secret_sink: FileSecretSink, pepper: bytes) -> Re
 @pytest.fixture
 def tenants(reconciler: Reconciler, secret_sink: FileSecretSink) -> TenantFactory:
     return TenantFactory(reconciler, secret_sink)
+
+
+# -- no process outlives the suite --------------------------------------------------------------------------------
+# The test process adopts orphans (Linux child subreaper), so a server or engine process a test forgot, even one
+# whose parent died, is still our child at the end, where the check below fails the run.
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _own_resource_tracker() -> int | None:
+    """multiprocessing's tracker of this process (chdb's engine process uses it): it exits with us, by design."""
+    from multiprocessing import resource_tracker
+
+    pid: int | None = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return pid
+
+
+def _live_children() -> list[str]:
+    while True:  # reap the ones that already exited
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and int(entry.name) != _own_resource_tracker():
+            found.append(f"{entry.name}: {cmdline[:160]}")
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 10  # processes stopped by the last teardowns may take a moment to exit
+    left = _live_children()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)  # waiting for other processes to exit, not synchronizing tests
+        left = _live_children()
+    if left:
+        print("\nprocesses left behind by the test suite:\n  " + "\n  ".join(left))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -5,7 +5,9 @@ a real ``ibex operator`` subprocess that a test can kill."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -215,8 +217,8 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the operator and every process it started
         self.proc.wait(timeout=10)
 
     def terminate(self, timeout: float = 20) -> int:
@@ -273,7 +275,9 @@ def spawn_operator(
     ]  # fmt: skip
     log_path = workdir / f"operator-{identity}-{time.monotonic_ns()}.log"
     with log_path.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        # Its own process group, so kill() takes its children (the chdb engine process, multiprocessing's
+        # resource tracker) with it: a SIGKILL to the operator alone would orphan them.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     return OperatorProcess(proc, log_path, identity)
 
 
