@@ -1,9 +1,10 @@
 """Hybrid retrieval and composite scoring for ``POST /v1/memories/search`` (architecture section 9.3).
 
-Owns turning a validated :class:`SearchQuery` into ranked hits. The query is masked for PII like content is, then
-embedded; one SQL round trip runs the HNSW leg (iterative scan under the per-agent filter, a low ANN cutoff after
-the index scan) and the BM25 full-text leg (any query term may match) over active, currently valid memories, merged
-by id and hydrated. Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reuse it):
+Owns turning a validated :class:`SearchQuery` into ranked hits. The query is masked for PII like content is; the
+BM25 full-text leg (any query term may match, statistics from the postings kept at write time) starts at once and
+runs while the masked query is embedded, then the HNSW leg (iterative scan under the per-agent filter, a low ANN
+cutoff after the index scan) runs; both read active, currently valid memories, hydrated, and are merged by id.
+Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reuse it):
 
 1. fusion: each leg's evidence on an absolute scale (cosine between ``similarity_zero`` and ``similarity_full``;
    BM25 ``s / (s + text_half)``), weighted and summed, plus a bonus when both legs agree;
@@ -24,7 +25,9 @@ by the service; retrieval bookkeeping for the returned hits runs after the answe
 
 from __future__ import annotations
 
+import asyncio
 import calendar
+import contextlib
 import math
 import re
 import time
@@ -34,11 +37,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
+
 from ibex_dataplane.embedding import Embedder, EmbeddingError
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.memory.refinery import Redactor
-from ibex_dataplane.memory.repository import MemoryRepository, SearchRow
+from ibex_dataplane.memory.repository import MemoryRepository, SearchRow, merge_legs
 from ibex_dataplane.memory.validation import SearchQuery
 from ibex_dataplane.pii import PiiError
 from ibex_dataplane.shared.errors import Degraded
@@ -297,34 +302,59 @@ class MemorySearch:
         self.tuning = tuning
 
     async def candidates(self, tenant: Tenant, query: SearchQuery) -> tuple[str, list[SearchRow]]:
-        """The masked query and every hit of either leg (unranked)."""
+        """The masked query and every hit of either leg (unranked).
+
+        The text leg needs only the masked query, so it runs while the query is embedded; the vector leg opens its
+        transaction meanwhile and runs its statement once the embedding is there. Nothing but the masked text
+        reaches the embedder or either statement.
+        """
         started = time.perf_counter()
         try:
             masked = (await self._redactor.redact_async(query.query)).text
         except PiiError as e:
             raise Degraded("the PII check is unavailable") from e
-        try:
-            vectors = await self._embedder.embed([masked])
-        except EmbeddingError as e:
-            raise Degraded("the embedding model is unavailable") from e
-        embedded = time.perf_counter()
-        self._metrics.search_seconds.labels("embed").observe(embedded - started)
         t = self.tuning
-        rows = await self._repo.search(
-            tenant,
-            vector=vectors[0],
-            text=masked,
-            at=query.as_of,
-            ann_candidates=max(t.ann_candidates, query.limit * 2),
-            text_candidates=max(t.text_candidates, query.limit * 2),
-            min_similarity=query.min_similarity if query.min_similarity is not None else t.min_similarity,
-            min_confidence=query.min_confidence,
-            labels=query.labels,
-            term_rows=t.text_term_rows,
-            population=t.text_population,
+        text_leg = asyncio.ensure_future(
+            self._repo.search_text(
+                tenant,
+                text=masked,
+                at=query.as_of,
+                candidates=max(t.text_candidates, query.limit * 2),
+                min_confidence=query.min_confidence,
+                labels=query.labels,
+                term_rows=t.text_term_rows,
+                population=t.text_population,
+            )
         )
+        embedded = started
+
+        async def embedding() -> np.ndarray[Any, Any]:
+            nonlocal embedded
+            try:
+                vectors = await self._embedder.embed([masked])
+            except EmbeddingError as e:
+                raise Degraded("the embedding model is unavailable") from e
+            embedded = time.perf_counter()
+            self._metrics.search_seconds.labels("embed").observe(embedded - started)
+            vector: np.ndarray[Any, Any] = vectors[0]
+            return vector
+
+        vector_task = asyncio.ensure_future(embedding())
+        try:
+            vector_rows = await self._repo.search_vector(
+                tenant, vector=vector_task, at=query.as_of, candidates=max(t.ann_candidates, query.limit * 2),
+                min_similarity=query.min_similarity if query.min_similarity is not None else t.min_similarity,
+                min_confidence=query.min_confidence, labels=query.labels,
+            )  # fmt: skip
+            text_rows = await text_leg
+        finally:
+            for leg in (vector_task, text_leg):  # a failed leg leaves nothing running behind the answer
+                if not leg.done():
+                    leg.cancel()
+                    with contextlib.suppress(BaseException):
+                        await leg
         self._metrics.search_seconds.labels("query").observe(time.perf_counter() - embedded)
-        return masked, rows
+        return masked, merge_legs(vector_rows, text_rows)
 
     async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
         masked, rows = await self.candidates(tenant, query)
