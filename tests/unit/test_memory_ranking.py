@@ -7,9 +7,10 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
-from ibex_dataplane.memory.repository import SearchRow
+from ibex_dataplane.memory.repository import SearchRow, merge_legs
 from ibex_dataplane.memory.search import (
     SearchTuning,
+    matched_by,
     periods_named,
     rank,
     relevance_of,
@@ -104,3 +105,14 @@ def test_an_old_answer_is_not_pushed_out_by_recent_unrelated_memories() -> None:
     assert len(every) == 4  # the recent ones pass the floor too ...
     assert every[-1].memory.id == old_answer.memory.id  # ... and, far more recent, come first by composite score
     assert all(a.score >= b.score for a, b in itertools.pairwise(every))
+
+
+def test_a_memory_both_legs_found_is_merged_into_one_row_with_both_scores() -> None:
+    both, vector_only, text_only = memory("both"), memory("vector"), memory("text")
+    merged = merge_legs(
+        [SearchRow(both, 0.7, None, 0), SearchRow(vector_only, 0.5, None, 0)],
+        [SearchRow(both, None, 3.0, 2), SearchRow(text_only, None, 1.0, 1)],
+    )
+    by_id = {r.memory.id: (r.similarity, r.text_score, r.text_terms) for r in merged}
+    assert by_id == {both.id: (0.7, 3.0, 2), vector_only.id: (0.5, None, 0), text_only.id: (None, 1.0, 1)}
+    assert [matched_by(r) for r in merged if r.memory.id == both.id] == ["both"]
