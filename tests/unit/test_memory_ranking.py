@@ -6,11 +6,14 @@ import itertools
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
 from ibex_dataplane.memory.repository import SearchRow, merge_legs
 from ibex_dataplane.memory.search import (
     SearchTuning,
     matched_by,
+    names_in,
     periods_named,
     rank,
     relevance_of,
@@ -116,3 +119,16 @@ def test_a_memory_both_legs_found_is_merged_into_one_row_with_both_scores() -> N
     by_id = {r.memory.id: (r.similarity, r.text_score, r.text_terms) for r in merged}
     assert by_id == {both.id: (0.7, 3.0, 2), vector_only.id: (0.5, None, 0), text_only.id: (None, 1.0, 1)}
     assert [matched_by(r) for r in merged if r.memory.id == both.id] == ["both"]
+
+
+def test_names_are_capitalized_words_that_do_not_start_a_sentence() -> None:
+    assert names_in("What did Maria paint after Jonas's visit? Where is Oslo?") == {"Maria", "Jonas", "Oslo"}
+    assert names_in("when did the user move") == frozenset()
+
+
+def test_a_memory_holding_a_name_the_query_mentions_is_lifted_above_an_equal_one_without_it() -> None:
+    with_name = row(text=3.0, content="Maria: I painted the lake last week.")
+    without = row(text=3.0, content="Jonas: I painted the lake last week.")
+    named, plain = relevance_of([with_name, without], TUNING, names=names_in("What did Maria paint?"))
+    assert named == pytest.approx(plain + TUNING.name_weight)
+    assert relevance_of([with_name, without], TUNING, names=names_in("What did Oskar paint?")) == [plain, plain]

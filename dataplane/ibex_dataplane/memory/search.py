@@ -9,6 +9,7 @@ Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reus
 1. fusion: each leg's evidence on an absolute scale (cosine between ``similarity_zero`` and ``similarity_full``;
    BM25 ``s / (s + text_half)``), weighted and summed, plus a bonus when both legs agree;
 2. time: a query naming a day, a month or a year lifts memories whose validity starts inside it;
+   names: a memory holding a name the query mentions (a capitalized word not starting a sentence) is lifted;
 3. neighbours: a memory observed within ``neighbour_seconds`` of a strong hit in the same session, and every
    memory of a session that holds strong hits, is lifted by a share of their evidence (turns of one conversation
    explain each other: a question matches a reply, the fact sits in the turn before);
@@ -75,7 +76,8 @@ class SearchTuning:
     agreement_bonus: float = 0.0  # both legs found it (measured: no gain on top of the weighted sum)
     similarity_zero: float = 0.30  # cosine that is no evidence at all for MiniLM (unrelated sentences)
     similarity_full: float = 0.80  # cosine that is full evidence
-    text_half: float = 4.0  # BM25 score that is half evidence
+    text_half: float = 6.0  # BM25 score that is half evidence
+    name_weight: float = 0.10  # lift for a memory holding a name the query mentions (see names_in)
     time_weight: float = 0.10  # lift for memories valid from inside a period the query names
     neighbour_weight: float = 0.35  # share of a neighbour's evidence lent to a memory observed close to it
     neighbour_seconds: float = 120.0  # how close (observed_at, same session) counts as a neighbour
@@ -186,6 +188,24 @@ def periods_named(query: str) -> list[Period]:
     return found
 
 
+_CAPITALIZED = re.compile(r"\b([A-Z][A-Za-z]+)\b")
+_SENTENCE_START = re.compile(r"(?:^|[.?!:;\"(]\s*)$")
+_WORD = re.compile(r"[A-Za-z]+")
+
+
+def names_in(query: str) -> frozenset[str]:
+    """Capitalized words of the query that do not start a sentence: names ("What did Maria paint?" -> Maria)."""
+    found = set()
+    for m in _CAPITALIZED.finditer(query):
+        if not _SENTENCE_START.search(query[: m.start()]):
+            found.add(m.group(1))
+    return frozenset(found)
+
+
+def holds_a_name(memory: Memory, names: frozenset[str]) -> bool:
+    return bool(names) and not names.isdisjoint(_WORD.findall(memory.content or ""))
+
+
 def vector_evidence(similarity: float | None, t: SearchTuning) -> float:
     if similarity is None:
         return 0.0
@@ -202,16 +222,23 @@ def _observed(memory: Memory) -> datetime:
     return memory.observed_at or memory.valid_from or memory.created_at
 
 
-def relevance_of(rows: Sequence[SearchRow], tuning: SearchTuning, periods: Sequence[Period] = ()) -> list[float]:
+def relevance_of(
+    rows: Sequence[SearchRow],
+    tuning: SearchTuning,
+    periods: Sequence[Period] = (),
+    names: frozenset[str] = frozenset(),
+) -> list[float]:
     """Relevance in [0, 1] of each candidate, in the order given (the floor is the caller's)."""
     t = tuning
     own: list[float] = []
+    named: list[bool] = []
     for row in rows:
         v, x = vector_evidence(row.similarity, t), text_evidence(row.text_score, t)
         fused = t.vector_weight * v + t.text_weight * x + (t.agreement_bonus if v > 0 and x > 0 else 0.0)
         if periods and any(p.holds(row.memory.valid_from) or p.holds(row.memory.observed_at) for p in periods):
             fused += t.time_weight
         own.append(fused)
+        named.append(holds_a_name(row.memory, names))
     lifted = list(own)
     if t.neighbour_weight > 0 or t.session_weight > 0:
         sessions: dict[str, list[int]] = defaultdict(list)
@@ -229,6 +256,8 @@ def relevance_of(rows: Sequence[SearchRow], tuning: SearchTuning, periods: Seque
                     if j != i and abs((_observed(rows[j].memory) - at).total_seconds()) <= window:
                         near = max(near, own[j])
                 lifted[i] += t.neighbour_weight * near + t.session_weight * best
+    # Names are the sharpest words of a question, yet a name an agent hears often has a low idf in BM25.
+    lifted = [r + (t.name_weight if n else 0.0) for r, n in zip(lifted, named, strict=True)]
     return [max(0.0, min(1.0, r)) for r in lifted]
 
 
@@ -273,7 +302,7 @@ def rank(
     rows: Sequence[SearchRow], query_text: str, limit: int, now: datetime, tuning: SearchTuning
 ) -> list[SearchHit]:
     """The answer: the ``limit`` most relevant candidates at or above the floor, ordered by composite score."""
-    relevance = relevance_of(rows, tuning, periods_named(query_text))
+    relevance = relevance_of(rows, tuning, periods_named(query_text), names_in(query_text))
     kept = sorted(
         ((r, row) for r, row in zip(relevance, rows, strict=True) if r >= tuning.relevance_floor),
         key=lambda pair: (-pair[0], str(pair[1].memory.id)),
