@@ -132,3 +132,39 @@ async def test_feedback_updates_usefulness_laplace_smoothed(
     async with stores.db.tenant(t.org_id, t.agents["alpha"]) as conn:
         row = await conn.fetchrow("SELECT positive_feedback, negative_feedback FROM memories")
     assert (row["positive_feedback"], row["negative_feedback"]) == (1, 2)
+
+
+async def test_bm25_postings_follow_a_memory_from_write_to_forget(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create()
+    agent = t.agents["alpha"]
+    postings = "SELECT lexeme, tf, doc_len FROM memory_terms WHERE memory_id = $1::uuid ORDER BY lexeme"
+    async with memory_client(proxy, t) as client:
+        mid = (await client.write({"content": "Marmalade on toast, marmalade in tea."})).body["memory"]["id"]
+        async with stores.db.tenant(t.org_id, agent) as conn:
+            written = [tuple(r) for r in await conn.fetch(postings, mid)]
+        assert written == [("marmalad", 2.0, 3.0), ("tea", 1.0, 3.0), ("toast", 1.0, 3.0)]
+        found = (await client.search("marmalade")).body["results"]
+        assert [h["memory"]["id"] for h in found] == [mid]
+        assert found[0]["matched_by"] in ("text", "both")
+        await client.feedback(mid, True)  # bookkeeping updates leave the postings as they are
+        async with stores.db.tenant(t.org_id, agent) as conn:
+            assert [tuple(r) for r in await conn.fetch(postings, mid)] == written
+        assert (await client.forget(mid)).status == 204
+        async with stores.db.tenant(t.org_id, agent) as conn:
+            assert await conn.fetch(postings, mid) == []
+        assert (await client.search("marmalade")).body["results"] == []
+
+
+async def test_postings_of_one_agent_are_invisible_to_another(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create()
+    async with memory_client(proxy, t) as client:
+        await client.write({"content": "The quince jelly recipe is secret."})
+    other = await tenants.create()
+    async with stores.db.tenant(other.org_id, other.agents["alpha"]) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memory_terms WHERE lexeme = 'quinc'") == 0
+    async with stores.db.tenant(t.org_id, t.agents["alpha"]) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memory_terms WHERE lexeme = 'quinc'") == 1

@@ -6,10 +6,14 @@ import itertools
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
-from ibex_dataplane.memory.repository import SearchRow
+from ibex_dataplane.memory.repository import SearchRow, merge_legs
 from ibex_dataplane.memory.search import (
     SearchTuning,
+    matched_by,
+    names_in,
     periods_named,
     rank,
     relevance_of,
@@ -104,3 +108,27 @@ def test_an_old_answer_is_not_pushed_out_by_recent_unrelated_memories() -> None:
     assert len(every) == 4  # the recent ones pass the floor too ...
     assert every[-1].memory.id == old_answer.memory.id  # ... and, far more recent, come first by composite score
     assert all(a.score >= b.score for a, b in itertools.pairwise(every))
+
+
+def test_a_memory_both_legs_found_is_merged_into_one_row_with_both_scores() -> None:
+    both, vector_only, text_only = memory("both"), memory("vector"), memory("text")
+    merged = merge_legs(
+        [SearchRow(both, 0.7, None, 0), SearchRow(vector_only, 0.5, None, 0)],
+        [SearchRow(both, None, 3.0, 2), SearchRow(text_only, None, 1.0, 1)],
+    )
+    by_id = {r.memory.id: (r.similarity, r.text_score, r.text_terms) for r in merged}
+    assert by_id == {both.id: (0.7, 3.0, 2), vector_only.id: (0.5, None, 0), text_only.id: (None, 1.0, 1)}
+    assert [matched_by(r) for r in merged if r.memory.id == both.id] == ["both"]
+
+
+def test_names_are_capitalized_words_that_do_not_start_a_sentence() -> None:
+    assert names_in("What did Maria paint after Jonas's visit? Where is Oslo?") == {"Maria", "Jonas", "Oslo"}
+    assert names_in("when did the user move") == frozenset()
+
+
+def test_a_memory_holding_a_name_the_query_mentions_is_lifted_above_an_equal_one_without_it() -> None:
+    with_name = row(text=3.0, content="Maria: I painted the lake last week.")
+    without = row(text=3.0, content="Jonas: I painted the lake last week.")
+    named, plain = relevance_of([with_name, without], TUNING, names=names_in("What did Maria paint?"))
+    assert named == pytest.approx(plain + TUNING.name_weight)
+    assert relevance_of([with_name, without], TUNING, names=names_in("What did Oskar paint?")) == [plain, plain]

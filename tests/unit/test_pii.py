@@ -270,3 +270,41 @@ def test_four_digit_amounts_and_years_are_not_phone_numbers(redactor: PiiRedacto
 def test_a_real_phone_number_is_still_caught_next_to_a_four_digit_one(redactor: PiiRedactor) -> None:
     result = redactor.redact("We paid 1640 dollars; call me at +44 20 7946 0958 about it.")
     assert result.text == "We paid 1640 dollars; call me at [PHONE_NUMBER] about it."
+
+
+PROSE_WITHOUT_PATTERNS = [
+    "Caroline: I went to a support group yesterday and it was so powerful.",
+    "Melanie: That's great! Painting by the lake is my favourite way to unwind - face-to-face with nature.",
+    "The user prefers window seats and oat-milk flat whites; she dislikes early flights.",
+    "Decade-old bead-work, cafe-bed and dead-beef stew",
+]
+
+
+@pytest.fixture(scope="module")
+def thorough() -> Iterator[PiiRedactor]:
+    # URL is not one of the pattern entities the shortcut was written for, so this redactor always analyzes.
+    with PiiRedactor(entities=[*sorted(DEFAULT_PATTERN_ENTITIES), "URL"]) as r:
+        yield r
+
+
+@pytest.mark.parametrize("text", PROSE_WITHOUT_PATTERNS)
+def test_text_the_shortcut_skips_is_text_the_analyzer_finds_nothing_in(
+    redactor: PiiRedactor, thorough: PiiRedactor, text: str
+) -> None:
+    assert thorough.redact(text).findings == ()
+    assert redactor.redact(text).text == text
+    assert redactor.redact(text).findings == ()
+
+
+def test_the_shortcut_never_skips_text_a_pattern_could_match(redactor: PiiRedactor) -> None:
+    may_match = ("a@b", "ipv6 ::ffff", "fe80::", "mac aa:bb:cc:dd:ee:ff", "aa-bb-cc-dd-ee-ff", "abcd.efab.cdef", "7")
+    for text in may_match:
+        assert redactor.might_find(text), text
+    assert not redactor.might_find(PROSE_WITHOUT_PATTERNS[0])
+    assert redactor.redact("Ops: write to ops@example.org.").text == "Ops: write to [EMAIL_ADDRESS]."
+    router = redactor.redact("Ops: the router is fe80::1ff:fe23:4567:890a.")
+    assert {f.entity_type for f in router.findings} == {"IP_ADDRESS"}
+
+
+def test_a_redactor_looking_for_more_than_the_pattern_entities_analyzes_everything(thorough: PiiRedactor) -> None:
+    assert thorough.might_find(PROSE_WITHOUT_PATTERNS[0])

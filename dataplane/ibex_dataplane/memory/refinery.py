@@ -504,8 +504,12 @@ class Persist:
         created: dict[Candidate, Memory] = {}
         raced: list[Candidate] = []
         lost: set[UUID] = set()
+        # Locks are taken in one global order, so two batches of the same agent in flight cannot deadlock: first
+        # the content hashes of the inserts (the unique index makes a second insert of a hash wait), ascending;
+        # then the older rows being superseded, by id. A transaction only waits for locks later in that order than
+        # every lock it holds.
         async with self._repo.transaction(tenant) as conn:
-            for c in todo:
+            for c in sorted(todo, key=lambda c: (c.content_hash, c.index)):
                 assert c.draft is not None
                 memory = await self._repo.insert_memory(
                     conn, tenant, memory_id=c.memory_id, content=c.content, content_hash=c.content_hash,
@@ -520,20 +524,23 @@ class Persist:
                     lost.add(c.memory_id)
                     continue
                 created[c] = memory
+            created = dict(sorted(created.items(), key=lambda item: item[0].index))
             touched: list[UUID] = [m.id for c, m in created.items() if not c.quarantined]
+            changes = sorted(
+                ((c, change) for c in created for change in c.supersessions if change.target_id not in lost),
+                key=lambda pair: (str(pair[1].target_id), pair[0].index),
+            )
+            kept: set[tuple[UUID, UUID]] = set()
+            for c, change in changes:
+                if await self._repo.supersede(conn, tenant, change):
+                    kept.add((c.memory_id, change.target_id))
+                    touched.append(change.target_id)
             for c in created:
-                kept_supersessions = set()
-                for change in c.supersessions:
-                    if change.target_id in lost:
-                        continue
-                    if await self._repo.supersede(conn, tenant, change):
-                        kept_supersessions.add(change.target_id)
-                        touched.append(change.target_id)
                 c.relationships = [
                     r
                     for r in c.relationships
                     if r.target_id not in lost
-                    and (r.kind is not RelationKind.SUPERSEDES or r.target_id in kept_supersessions)
+                    and (r.kind is not RelationKind.SUPERSEDES or (c.memory_id, r.target_id) in kept)
                 ]
                 await self._repo.insert_relationships(conn, tenant, c.relationships)
             if touched:

@@ -1,13 +1,15 @@
 """Hybrid retrieval and composite scoring for ``POST /v1/memories/search`` (architecture section 9.3).
 
-Owns turning a validated :class:`SearchQuery` into ranked hits. The query is masked for PII like content is, then
-embedded; one SQL round trip runs the HNSW leg (iterative scan under the per-agent filter, a low ANN cutoff after
-the index scan) and the BM25 full-text leg (any query term may match) over active, currently valid memories, merged
-by id and hydrated. Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reuse it):
+Owns turning a validated :class:`SearchQuery` into ranked hits. The query is masked for PII like content is; the
+BM25 full-text leg (any query term may match, statistics from the postings kept at write time) starts at once and
+runs while the masked query is embedded, then the HNSW leg (iterative scan under the per-agent filter, a low ANN
+cutoff after the index scan) runs; both read active, currently valid memories, hydrated, and are merged by id.
+Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reuse it):
 
 1. fusion: each leg's evidence on an absolute scale (cosine between ``similarity_zero`` and ``similarity_full``;
    BM25 ``s / (s + text_half)``), weighted and summed, plus a bonus when both legs agree;
 2. time: a query naming a day, a month or a year lifts memories whose validity starts inside it;
+   names: a memory holding a name the query mentions (a capitalized word not starting a sentence) is lifted;
 3. neighbours: a memory observed within ``neighbour_seconds`` of a strong hit in the same session, and every
    memory of a session that holds strong hits, is lifted by a share of their evidence (turns of one conversation
    explain each other: a question matches a reply, the fact sits in the turn before);
@@ -24,7 +26,9 @@ by the service; retrieval bookkeeping for the returned hits runs after the answe
 
 from __future__ import annotations
 
+import asyncio
 import calendar
+import contextlib
 import math
 import re
 import time
@@ -34,11 +38,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
+
 from ibex_dataplane.embedding import Embedder, EmbeddingError
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.memory.refinery import Redactor
-from ibex_dataplane.memory.repository import MemoryRepository, SearchRow
+from ibex_dataplane.memory.repository import MemoryRepository, SearchRow, merge_legs
 from ibex_dataplane.memory.validation import SearchQuery
 from ibex_dataplane.pii import PiiError
 from ibex_dataplane.shared.errors import Degraded
@@ -70,7 +76,8 @@ class SearchTuning:
     agreement_bonus: float = 0.0  # both legs found it (measured: no gain on top of the weighted sum)
     similarity_zero: float = 0.30  # cosine that is no evidence at all for MiniLM (unrelated sentences)
     similarity_full: float = 0.80  # cosine that is full evidence
-    text_half: float = 4.0  # BM25 score that is half evidence
+    text_half: float = 6.0  # BM25 score that is half evidence
+    name_weight: float = 0.10  # lift for a memory holding a name the query mentions (see names_in)
     time_weight: float = 0.10  # lift for memories valid from inside a period the query names
     neighbour_weight: float = 0.35  # share of a neighbour's evidence lent to a memory observed close to it
     neighbour_seconds: float = 120.0  # how close (observed_at, same session) counts as a neighbour
@@ -181,6 +188,24 @@ def periods_named(query: str) -> list[Period]:
     return found
 
 
+_CAPITALIZED = re.compile(r"\b([A-Z][A-Za-z]+)\b")
+_SENTENCE_START = re.compile(r"(?:^|[.?!:;\"(]\s*)$")
+_WORD = re.compile(r"[A-Za-z]+")
+
+
+def names_in(query: str) -> frozenset[str]:
+    """Capitalized words of the query that do not start a sentence: names ("What did Maria paint?" -> Maria)."""
+    found = set()
+    for m in _CAPITALIZED.finditer(query):
+        if not _SENTENCE_START.search(query[: m.start()]):
+            found.add(m.group(1))
+    return frozenset(found)
+
+
+def holds_a_name(memory: Memory, names: frozenset[str]) -> bool:
+    return bool(names) and not names.isdisjoint(_WORD.findall(memory.content or ""))
+
+
 def vector_evidence(similarity: float | None, t: SearchTuning) -> float:
     if similarity is None:
         return 0.0
@@ -197,16 +222,23 @@ def _observed(memory: Memory) -> datetime:
     return memory.observed_at or memory.valid_from or memory.created_at
 
 
-def relevance_of(rows: Sequence[SearchRow], tuning: SearchTuning, periods: Sequence[Period] = ()) -> list[float]:
+def relevance_of(
+    rows: Sequence[SearchRow],
+    tuning: SearchTuning,
+    periods: Sequence[Period] = (),
+    names: frozenset[str] = frozenset(),
+) -> list[float]:
     """Relevance in [0, 1] of each candidate, in the order given (the floor is the caller's)."""
     t = tuning
     own: list[float] = []
+    named: list[bool] = []
     for row in rows:
         v, x = vector_evidence(row.similarity, t), text_evidence(row.text_score, t)
         fused = t.vector_weight * v + t.text_weight * x + (t.agreement_bonus if v > 0 and x > 0 else 0.0)
         if periods and any(p.holds(row.memory.valid_from) or p.holds(row.memory.observed_at) for p in periods):
             fused += t.time_weight
         own.append(fused)
+        named.append(holds_a_name(row.memory, names))
     lifted = list(own)
     if t.neighbour_weight > 0 or t.session_weight > 0:
         sessions: dict[str, list[int]] = defaultdict(list)
@@ -224,6 +256,8 @@ def relevance_of(rows: Sequence[SearchRow], tuning: SearchTuning, periods: Seque
                     if j != i and abs((_observed(rows[j].memory) - at).total_seconds()) <= window:
                         near = max(near, own[j])
                 lifted[i] += t.neighbour_weight * near + t.session_weight * best
+    # Names are the sharpest words of a question, yet a name an agent hears often has a low idf in BM25.
+    lifted = [r + (t.name_weight if n else 0.0) for r, n in zip(lifted, named, strict=True)]
     return [max(0.0, min(1.0, r)) for r in lifted]
 
 
@@ -268,7 +302,7 @@ def rank(
     rows: Sequence[SearchRow], query_text: str, limit: int, now: datetime, tuning: SearchTuning
 ) -> list[SearchHit]:
     """The answer: the ``limit`` most relevant candidates at or above the floor, ordered by composite score."""
-    relevance = relevance_of(rows, tuning, periods_named(query_text))
+    relevance = relevance_of(rows, tuning, periods_named(query_text), names_in(query_text))
     kept = sorted(
         ((r, row) for r, row in zip(relevance, rows, strict=True) if r >= tuning.relevance_floor),
         key=lambda pair: (-pair[0], str(pair[1].memory.id)),
@@ -297,34 +331,59 @@ class MemorySearch:
         self.tuning = tuning
 
     async def candidates(self, tenant: Tenant, query: SearchQuery) -> tuple[str, list[SearchRow]]:
-        """The masked query and every hit of either leg (unranked)."""
+        """The masked query and every hit of either leg (unranked).
+
+        The text leg needs only the masked query, so it runs while the query is embedded; the vector leg opens its
+        transaction meanwhile and runs its statement once the embedding is there. Nothing but the masked text
+        reaches the embedder or either statement.
+        """
         started = time.perf_counter()
         try:
             masked = (await self._redactor.redact_async(query.query)).text
         except PiiError as e:
             raise Degraded("the PII check is unavailable") from e
-        try:
-            vectors = await self._embedder.embed([masked])
-        except EmbeddingError as e:
-            raise Degraded("the embedding model is unavailable") from e
-        embedded = time.perf_counter()
-        self._metrics.search_seconds.labels("embed").observe(embedded - started)
         t = self.tuning
-        rows = await self._repo.search(
-            tenant,
-            vector=vectors[0],
-            text=masked,
-            at=query.as_of,
-            ann_candidates=max(t.ann_candidates, query.limit * 2),
-            text_candidates=max(t.text_candidates, query.limit * 2),
-            min_similarity=query.min_similarity if query.min_similarity is not None else t.min_similarity,
-            min_confidence=query.min_confidence,
-            labels=query.labels,
-            term_rows=t.text_term_rows,
-            population=t.text_population,
+        text_leg = asyncio.ensure_future(
+            self._repo.search_text(
+                tenant,
+                text=masked,
+                at=query.as_of,
+                candidates=max(t.text_candidates, query.limit * 2),
+                min_confidence=query.min_confidence,
+                labels=query.labels,
+                term_rows=t.text_term_rows,
+                population=t.text_population,
+            )
         )
+        embedded = started
+
+        async def embedding() -> np.ndarray[Any, Any]:
+            nonlocal embedded
+            try:
+                vectors = await self._embedder.embed([masked])
+            except EmbeddingError as e:
+                raise Degraded("the embedding model is unavailable") from e
+            embedded = time.perf_counter()
+            self._metrics.search_seconds.labels("embed").observe(embedded - started)
+            vector: np.ndarray[Any, Any] = vectors[0]
+            return vector
+
+        vector_task = asyncio.ensure_future(embedding())
+        try:
+            vector_rows = await self._repo.search_vector(
+                tenant, vector=vector_task, at=query.as_of, candidates=max(t.ann_candidates, query.limit * 2),
+                min_similarity=query.min_similarity if query.min_similarity is not None else t.min_similarity,
+                min_confidence=query.min_confidence, labels=query.labels,
+            )  # fmt: skip
+            text_rows = await text_leg
+        finally:
+            for leg in (vector_task, text_leg):  # a failed leg leaves nothing running behind the answer
+                if not leg.done():
+                    leg.cancel()
+                    with contextlib.suppress(BaseException):
+                        await leg
         self._metrics.search_seconds.labels("query").observe(time.perf_counter() - embedded)
-        return masked, rows
+        return masked, merge_legs(vector_rows, text_rows)
 
     async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
         masked, rows = await self.candidates(tenant, query)
