@@ -27,14 +27,19 @@ from ibex_dataplane.context.service import (
 )
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2 as pb
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2_grpc as pb_grpc
-from ibex_dataplane.security.principal import Principal, PrincipalError, PrincipalSigner, grpc_target
+from ibex_dataplane.security.principal import (
+    ASSEMBLE_METHOD,
+    GRPC_METADATA,
+    Principal,
+    PrincipalError,
+    PrincipalSigner,
+    grpc_target,
+)
 from ibex_dataplane.shared.errors import NotFound, ServiceError
 
 log = logging.getLogger(__name__)
 
-METHOD = "/ibex.context.v1.ContextAssembly/Assemble"
-TARGET = grpc_target(METHOD)
-PRINCIPAL_METADATA = "x-ibex-principal"
+TARGET = grpc_target(ASSEMBLE_METHOD)
 
 _BRANCH = {
     BranchStatus.SUCCESS: pb.SUCCESS,
@@ -148,7 +153,7 @@ class ContextServicer(pb_grpc.ContextAssemblyServicer):
     def _principal(self, context: grpc.aio.ServicerContext[Any, Any]) -> Principal | None:
         token = None
         for key, value in context.invocation_metadata() or ():
-            if key == PRINCIPAL_METADATA:
+            if key == GRPC_METADATA:
                 token = value if isinstance(value, str) else value.decode("ascii", "replace")
         try:
             return self._signer.verify(token, target=TARGET)

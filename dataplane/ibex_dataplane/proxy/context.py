@@ -22,12 +22,16 @@ from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2 as pb
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2_grpc as pb_grpc
 from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.repository import DirectiveRow
-from ibex_dataplane.security.principal import Principal, PrincipalSigner, grpc_target
+from ibex_dataplane.security.principal import (
+    ASSEMBLE_METHOD,
+    GRPC_METADATA,
+    Principal,
+    PrincipalSigner,
+    grpc_target,
+)
 
 log = logging.getLogger(__name__)
 
-ASSEMBLE = "/ibex.context.v1.ContextAssembly/Assemble"
-PRINCIPAL_METADATA = "x-ibex-principal"
 SKIP_HEADER = "X-IBEX-Skip-Memory"
 
 
@@ -104,7 +108,7 @@ class ContextClient:
             return self._degrade(outcome, "context:not_configured")
         principal = Principal(
             org_id=org_id, agent_id=agent_id, scopes=frozenset({"chat"}), request_id=request_id,
-            deadline=time.time() + self._timeout, target=grpc_target(ASSEMBLE),
+            deadline=time.time() + self._timeout, target=grpc_target(ASSEMBLE_METHOD),
         )  # fmt: skip
         request = pb.AssembleRequest(
             model=model,
@@ -119,7 +123,7 @@ class ContextClient:
                 pb.Directive(version=directive.version, content=directive.content,
                              injection_mode=directive.injection_mode)
             )  # fmt: skip
-        metadata = ((PRINCIPAL_METADATA, self._signer.sign(principal)),)
+        metadata = ((GRPC_METADATA, self._signer.sign(principal)),)
         try:
             response = await self._stub.Assemble(request, timeout=self._timeout, metadata=metadata)
         except grpc.aio.AioRpcError as e:

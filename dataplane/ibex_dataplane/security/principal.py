@@ -18,7 +18,9 @@ from uuid import UUID
 
 import orjson
 
-HEADER = "X-IBEX-Principal"
+HEADER = "X-IBEX-Principal"  # where HTTP stages read it
+GRPC_METADATA = "x-ibex-principal"  # where gRPC stages read it
+ASSEMBLE_METHOD = "/ibex.context.v1.ContextAssembly/Assemble"  # the context stage's one method
 _VERSION = "v1"
 
 
