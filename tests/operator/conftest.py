@@ -148,7 +148,10 @@ def crds(kube_apiserver: KubeApiserver) -> None:
     kube_apiserver.kubectl("wait", "--for=condition=established", "--timeout=30s", "-f", str(REPO / "crds"))
 
 
-@pytest.fixture(scope="session")
+# Package scope: the operator thread stops when the operator tests end. kopf draws from the global `random` on
+# every API call, and a thread doing that while a later Hypothesis test draws trips Hypothesis's check that
+# strategies leave `random` alone (seen as a flaky HypothesisDeprecationWarning in tests/unit).
+@pytest.fixture(scope="package")
 def shared_operator(
     kube_apiserver: KubeApiserver, crds: None, embedded: EmbeddedRuntime, stores: Stores, pepper: bytes
 ) -> Iterator[OperatorThread]:
