@@ -1,14 +1,25 @@
-"""The pure pieces of `ibex eval locomo`: reading LoCoMo-format files, the write body of a turn, recall@k."""
+"""The pieces of `ibex eval locomo`: reading LoCoMo-format files, the write body of a turn, recall@k, the client."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from ibex_dataplane.evaluation.dataset import DatasetError, Question, load_locomo, parse_locomo, parse_session_time
-from ibex_dataplane.evaluation.locomo import IngestStats, Scored, percentile, recall_at, summarize
+from ibex_dataplane.evaluation.locomo import (
+    Agent,
+    EvaluationError,
+    IngestStats,
+    Scored,
+    _Client,
+    percentile,
+    recall_at,
+    summarize,
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "locomo_tiny.json"
 
@@ -79,3 +90,33 @@ def test_summary_has_the_documented_shape_and_averages_by_category() -> None:
     assert summary["recall"] == {"5": round(2 / 3, 4), "10": round(2.5 / 3, 4)}
     assert summary["by_category"] == {"1": {"5": 0.5, "10": 0.75}, "4": {"5": 1.0, "10": 1.0}}
     assert summary["search_p50_ms"] == 6.0 and summary["search_p95_ms"] == 8.0
+
+
+async def test_the_client_retries_overload_with_the_same_idempotency_key_and_nothing_else() -> None:
+    seen: list[tuple[str, str | None]] = []
+    answers = [(503, {"Retry-After": "0"}), (429, {"Retry-After": "0"}), (200, {})]
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Idempotency-Key")))
+        if request.path == "/bad":
+            return web.json_response({"error": {"code": "VALIDATION_ERROR"}}, status=400)
+        status, headers = answers.pop(0)
+        return web.json_response({"ok": status == 200}, status=status, headers=headers)
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            client = _Client(http, f"http://127.0.0.1:{runner.addresses[0][1]}", Agent("a", "t"))
+            assert await client.post("/write", {}, idempotent=True) == {"ok": True}
+            with pytest.raises(EvaluationError, match="answered 400"):
+                await client.post("/bad", {})
+    finally:
+        await runner.cleanup()
+    keys = {key for path, key in seen if path == "/write"}
+    assert len([p for p, _ in seen if p == "/write"]) == 3 and len(keys) == 1 and None not in keys
+    assert [p for p, _ in seen].count("/bad") == 1

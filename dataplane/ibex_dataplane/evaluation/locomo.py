@@ -19,6 +19,7 @@ import asyncio
 import math
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -32,6 +33,8 @@ DEFAULT_KS = (1, 5, 10, 20)
 BATCH_SIZE = 100  # the route's maximum
 MAX_SEARCH_LIMIT = 50
 INGEST_CONCURRENCY = 2  # batches in flight: PII checks and embedding of two batches overlap
+ATTEMPTS = 4  # a 503 or 429 is retried after its Retry-After (at most RETRY_CAP_S), as a client would
+RETRY_CAP_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +150,23 @@ class _Client:
             "Content-Type": "application/json",
         }
 
-    async def post(self, path: str, body: Any) -> Any:
-        async with self._http.post(self._base + path, data=orjson.dumps(body), headers=self._headers) as r:
-            raw = await r.read()
-            if r.status != 200:
+    async def post(self, path: str, body: Any, *, idempotent: bool = False) -> Any:
+        """One call; a 503 or 429 (the stack is overloaded or a store is away) is retried after its Retry-After.
+        Writes retry only with an ``Idempotency-Key``, so a retried batch can never be applied twice."""
+        headers = dict(self._headers)
+        if idempotent:
+            headers["Idempotency-Key"] = f"eval-{uuid.uuid4().hex}"
+        data = orjson.dumps(body)
+        for attempt in range(1, ATTEMPTS + 1):
+            async with self._http.post(self._base + path, data=data, headers=headers) as r:
+                raw = await r.read()
+                if r.status == 200:
+                    return orjson.loads(raw)
+                retry_after = r.headers.get("Retry-After", "1")
+            if r.status not in (429, 503) or attempt == ATTEMPTS:
                 raise EvaluationError(f"POST {path} answered {r.status}: {raw[:300]!r}")
-            return orjson.loads(raw)
+            await asyncio.sleep(min(RETRY_CAP_S, float(retry_after) if retry_after.isdigit() else 1.0))
+        raise AssertionError("unreachable")
 
 
 async def _ingest(
@@ -169,7 +183,7 @@ async def _ingest(
     async def write(batch: Sequence[Any]) -> None:
         nonlocal done
         async with gate:
-            reply = await client.post("/v1/memories:batch", {"items": [t.write_body() for t in batch]})
+            reply = await client.post("/v1/memories:batch", {"items": [t.write_body() for t in batch]}, idempotent=True)
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list) or len(results) != len(batch):
             raise EvaluationError("the batch route answered without one result per item")
