@@ -460,7 +460,8 @@ class ChatHandler:
                 response = web.StreamResponse(
                     status=200,
                     headers={**state.response_headers, "Content-Type": "text/event-stream",
-                             "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                             "X-Request-ID": state.request_id},  # sent before the middleware could add it
                 )  # fmt: skip
                 await response.prepare(state.request)
                 try:

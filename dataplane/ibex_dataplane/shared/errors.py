@@ -154,6 +154,35 @@ HTTP_STATUS_CODES: dict[int, str] = {
 }
 
 
+# Every code a client can meet in an envelope, by HTTP status: the OpenAPI document and docs/troubleshooting.md
+# list them from here, and a test checks that the code raises nothing this table lacks.
+ERROR_CODES: dict[int, tuple[str, ...]] = {
+    400: ("INVALID_JSON", "VALIDATION_ERROR", "MISSING_AGENT_ID", "INVALID_REQUEST"),
+    401: ("MISSING_TOKEN", "INVALID_TOKEN"),
+    402: ("BUDGET_EXCEEDED",),
+    403: (
+        "INSUFFICIENT_PERMISSIONS",
+        "AGENT_NOT_AUTHORIZED",
+        "AGENT_SUSPENDED",
+        "ORG_SUSPENDED",
+        "MODEL_NOT_ALLOWED",
+        "PATH_ORG_MISMATCH",
+    ),
+    404: ("NOT_FOUND",),
+    405: ("METHOD_NOT_ALLOWED",),
+    408: ("REQUEST_TIMEOUT",),
+    409: ("IDEMPOTENCY_CONFLICT", "IDEMPOTENCY_IN_PROGRESS"),
+    413: ("PAYLOAD_TOO_LARGE",),
+    415: ("UNSUPPORTED_MEDIA_TYPE",),
+    422: ("UNPROCESSABLE",),
+    429: ("RATE_LIMITED",),
+    500: ("INTERNAL_ERROR",),
+    502: ("PROVIDER_ERROR",),
+    503: ("SERVICE_DEGRADED", "PROVIDER_UNAVAILABLE", "IDEMPOTENCY_UNAVAILABLE"),
+    504: ("PROVIDER_TIMEOUT",),
+}
+
+
 def error_body(
     code: str, message: str, request_id: str, field_errors: Sequence[Mapping[str, Any]] | None = None
 ) -> bytes:
