@@ -30,7 +30,8 @@ from aiohttp import web
 
 from ibex_dataplane.context.app import ContextStage
 from ibex_dataplane.memory.app import create_memory_app
-from ibex_dataplane.providers.catalog import ModelCatalog, catalog_for
+from ibex_dataplane.providers.catalog import CatalogConfigError, ModelCatalog, catalog_for, load_provider_config
+from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.app import create_app
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.errors import EmbeddedStoreError
@@ -307,6 +308,23 @@ async def _serve_memory(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_memory(args: argparse.Namespace, settings: Settings) -> int:
     """The memory stage alone (reachable only with principals signed with IBEX_INTERNAL_SECRET)."""
     return _run_stage("memory", args, settings, _serve_memory)
+
+
+def _providers_problem(settings: Settings, *, keys: bool) -> str | None:
+    """What is wrong with ``IBEX_PROVIDERS_FILE``, if anything: checked before a process opens anything, so a
+    missing key variable or a malformed entry stops it at once with a message saying what to fix. ``keys``: also
+    resolve the provider API keys (the proxy calls providers; the context stage only reads the catalog)."""
+    path = settings.providers_file
+    if path is None:
+        return None
+    try:
+        config = load_provider_config(path, resolve_keys=keys)
+        catalog = ModelCatalog.from_config(config)
+        if keys:
+            ProviderRegistry.check_config(config, catalog)
+    except CatalogConfigError as e:
+        return f"invalid providers file (IBEX_PROVIDERS_FILE={path}): {e}"
+    return None
 
 
 def _catalog(settings: Settings) -> ModelCatalog:
@@ -608,6 +626,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"ibex: invalid configuration: {e}", file=sys.stderr)
         return 2
+    if args.command in ("dev", "proxy", "context", "eval"):
+        problem = _providers_problem(settings, keys=args.command != "context")
+        if problem is not None:
+            print(f"ibex {args.command}: {problem}", file=sys.stderr)
+            return 2
     if args.command in ("dev", "proxy"):  # the proxy's listener; other stages default to their own settings
         args.host = settings.host if args.host is None else args.host
         args.port = settings.port if args.port is None else args.port

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from decimal import Decimal
+from pathlib import Path
 
 import openai
 import pytest
@@ -164,3 +166,27 @@ async def test_a_stream_cut_short_is_billed_for_what_was_forwarded(
         if not facts:
             await asyncio.sleep(0.1)
     assert len(facts) == 1 and Decimal(str(facts[0][0])) == total  # usage facts agree with the ledger
+
+
+async def test_a_providers_file_can_name_the_upstream_key_by_environment_variable(
+    settings: Settings, stores: Stores, pepper: bytes, upstream: Upstream, tenant: Tenant, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The file holds no secret; the key comes from the environment (in Kubernetes: a Secret) and reaches the
+    upstream as its bearer token."""
+    monkeypatch.setenv("IBEX_TEST_UPSTREAM_KEY", API_KEY)
+    path = tmp_path / "providers.json"
+    path.write_text(json.dumps({
+        "models": [{"name": "env-model", "provider": "by-env", "context_window": 8192, "max_output_tokens": 1024,
+                    "input_price_per_mtok": "1", "output_price_per_mtok": "2"}],
+        "providers": {"by-env": {"type": "openai_compat", "base_url": upstream.url,
+                                 "api_key_env": "IBEX_TEST_UPSTREAM_KEY"}},
+    }))  # fmt: skip
+    assert API_KEY not in path.read_text()
+    async with (
+        running_proxy(settings.model_copy(update={"providers_file": path}), stores, pepper) as proxy,
+        sdk(proxy, tenant) as ai,
+    ):
+        reply = await ai.chat.completions.create(model="env-model", messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content == "".join(PIECES)
+    assert upstream.headers[-1]["Authorization"] == f"Bearer {API_KEY}"

@@ -136,6 +136,81 @@ def test_rbac_is_cluster_wide_by_default_and_namespaced_for_named_namespaces(hel
     assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in cluster_role["rules"])
 
 
+PROVIDERS = {
+    "models": [
+        {"name": "llama-3.1-8b", "provider": "local-vllm", "context_window": 131072, "max_output_tokens": 4096,
+         "input_price_per_mtok": "0", "output_price_per_mtok": "0"}
+    ],
+    "providers": {
+        "openai": {"type": "openai_compat", "api_key_env": "OPENAI_API_KEY"},
+        "local-vllm": {"type": "openai_compat", "base_url": "http://vllm.models:8000/v1"},
+    },
+}  # fmt: skip
+API_KEYS = [{"env": "OPENAI_API_KEY", "secretName": "openai", "secretKey": "api-key"}]
+
+
+def data_plane_containers(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-ibex-dataplane"]
+    pod = deployment["spec"]["template"]["spec"]
+    return pod, {c["name"]: c for c in pod["containers"]}
+
+
+def test_provider_keys_come_from_secrets_and_the_providers_file_is_mounted(helm: Helm, tmp_path: Path) -> None:
+    from ibex_dataplane.providers.catalog import CatalogConfigError, ModelCatalog, load_provider_config
+
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"providers": {"config": PROVIDERS, "apiKeys": API_KEYS}}))
+    out = helm("lint", str(CHART), "--strict", "-f", str(values))
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
+    docs = helm.template("-f", str(values))
+    (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    pod, containers = data_plane_containers(docs)
+    env = {name: {e["name"]: e for e in c["env"]} for name, c in containers.items()}
+    path = env["proxy"]["IBEX_PROVIDERS_FILE"]["value"]
+    assert env["context"]["IBEX_PROVIDERS_FILE"]["value"] == path and "IBEX_PROVIDERS_FILE" not in env["memory"]
+    assert env["proxy"]["OPENAI_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "openai", "key": "api-key"}}
+    assert "OPENAI_API_KEY" not in env["context"] and "OPENAI_API_KEY" not in env["memory"]  # only the caller
+    (volume,) = [v for v in pod["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    for name in ("proxy", "context"):
+        (mount,) = [m for m in containers[name]["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True and path == f"{mount['mountPath']}/providers.json"
+    for doc in docs:
+        for version in VALIDATE_AT if doc["kind"] in ("ConfigMap", "Deployment") else ():
+            kubernetes_validate.validate(doc, version, strict=True)
+
+    # The rendered file is one the processes accept, with the proxy's environment and without it.
+    rendered = tmp_path / "providers.json"
+    rendered.write_text(configmap["data"]["providers.json"])
+    assert json.loads(rendered.read_text()) == PROVIDERS
+    keys = {n: "sk-from-secret" for n, e in env["proxy"].items() if "secretKeyRef" in e.get("valueFrom", {})}
+    config = load_provider_config(rendered, environ=keys)
+    assert config["providers"]["openai"]["api_key"] == "sk-from-secret"
+    with pytest.raises(CatalogConfigError, match="OPENAI_API_KEY"):
+        load_provider_config(rendered, environ={k: v for k, v in keys.items() if k != "OPENAI_API_KEY"})
+    assert "llama-3.1-8b" in ModelCatalog.from_config(load_provider_config(rendered, resolve_keys=False))
+
+
+def test_without_providers_nothing_is_mounted_and_an_existing_configmap_is_used_as_is(helm: Helm) -> None:
+    docs = helm.template()
+    pod, containers = data_plane_containers(docs)
+    assert not [d for d in docs if d["kind"] == "ConfigMap"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+    assert all("IBEX_PROVIDERS_FILE" not in {e["name"] for e in c["env"]} for c in containers.values())
+
+    docs = helm.template("--set", "providers.existingConfigMap=my-providers,providers.configMapKey=models.json")
+    pod, containers = data_plane_containers(docs)
+    assert not [d for d in docs if d["kind"] == "ConfigMap"]
+    assert [v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v] == ["my-providers"]
+    proxy_env = {e["name"]: e.get("value") for e in containers["proxy"]["env"]}
+    assert proxy_env["IBEX_PROVIDERS_FILE"] == "/etc/ibex/providers/models.json"
+
+
+def test_a_provider_key_without_its_secret_is_refused_at_render(helm: Helm) -> None:
+    out = helm("template", "rel", str(CHART), "--set", "providers.apiKeys[0].env=OPENAI_API_KEY", check=False)
+    assert out.returncode != 0 and "providers.apiKeys[0].secretName is required" in out.stderr
+
+
 @pytest.fixture
 def release_namespace(kube_apiserver: KubeApiserver, crds: None) -> Iterator[str]:
     name = f"ibex-system-{uuid.uuid4().hex[:6]}"

@@ -67,6 +67,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "ibex.pepperSecret" -}}{{ .Values.secrets.keyPepper.existingSecret | default (include "ibex.keysSecretName" .) }}{{- end }}
 {{- define "ibex.internalSecret" -}}{{ .Values.secrets.internalSecret.existingSecret | default (include "ibex.keysSecretName" .) }}{{- end }}
 
+{{/* The providers file: a ConfigMap the chart renders from providers.config, or one you manage. */}}
+{{- define "ibex.providersEnabled" -}}
+{{- if or .Values.providers.config .Values.providers.existingConfigMap }}true{{- end }}
+{{- end }}
+{{- define "ibex.providersConfigMapName" -}}{{ .Values.providers.existingConfigMap | default (printf "%s-providers" (include "ibex.fullname" .)) }}{{- end }}
+{{- define "ibex.providersDir" -}}/etc/ibex/providers{{- end }}
+
+{{- define "ibex.env.providersFile" -}}
+{{- if include "ibex.providersEnabled" . }}
+- name: IBEX_PROVIDERS_FILE
+  value: {{ printf "%s/%s" (include "ibex.providersDir" .) .Values.providers.configMapKey | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Provider API keys (proxy only): each names an environment variable the providers file refers to with api_key_env. */}}
+{{- define "ibex.env.providerKeys" -}}
+{{- range $i, $key := .Values.providers.apiKeys }}
+- name: {{ required (printf "providers.apiKeys[%d].env is required" $i) $key.env }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ required (printf "providers.apiKeys[%d].secretName is required" $i) $key.secretName }}
+      key: {{ required (printf "providers.apiKeys[%d].secretKey is required" $i) $key.secretKey }}
+{{- end }}
+{{- end }}
+
 {{/* The chart writes a stores Secret only for stores given by value. */}}
 {{- define "ibex.needsStoresSecret" -}}
 {{- if or (not .Values.stores.postgres.existingSecret) (not .Values.stores.redis.existingSecret) (not .Values.stores.clickhouse.existingSecret) }}true{{- end }}

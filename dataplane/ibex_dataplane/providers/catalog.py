@@ -13,6 +13,7 @@ here it only tells which provider names exist).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -220,21 +221,81 @@ class ModelCatalog:
         return self.cost(info, prompt_tokens, completion)
 
 
-def load_provider_config(path: Path) -> dict[str, Any]:
-    """The providers file: ``{"models": [...], "providers": {...}, "fallbacks": {...}}`` (validated by the registry)."""
+KEY_FIELDS: Final = ("api_key", "api_key_env", "api_key_file")
+
+
+def load_provider_config(
+    path: Path, *, resolve_keys: bool = True, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The providers file: ``{"models": [...], "providers": {...}, "fallbacks": {...}}`` (validated by the registry).
+
+    A provider entry names its upstream key in one of three ways: ``api_key`` (the key itself), ``api_key_env``
+    (an environment variable holding it, e.g. set from a Kubernetes Secret) or ``api_key_file`` (a file holding
+    it, e.g. a mounted Secret; relative to the providers file). With ``resolve_keys`` the last two are read here,
+    once, at start, into ``api_key``; a variable that is not set or a file that cannot be read is a
+    :class:`CatalogConfigError` naming it. Stages that only need the catalog (the context stage) pass
+    ``resolve_keys=False`` and never see a key."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CatalogConfigError(f"cannot read providers file {path}: {e}") from e
     if not isinstance(data, dict):
         raise CatalogConfigError(f"providers file {path} must hold a JSON object")
-    return data
+    if not resolve_keys:
+        return data
+    return resolve_provider_keys(data, os.environ if environ is None else environ, base=path.parent)
+
+
+def resolve_provider_keys(config: dict[str, Any], environ: Mapping[str, str], *, base: Path) -> dict[str, Any]:
+    """``config`` with every provider's ``api_key_env`` / ``api_key_file`` replaced by the ``api_key`` it names."""
+    providers = config.get("providers")
+    if not isinstance(providers, Mapping):
+        return config
+    resolved: dict[str, Any] = {}
+    for name, entry in providers.items():
+        if not isinstance(entry, Mapping):
+            resolved[name] = entry  # the registry reports the shape
+            continue
+        given = [field for field in KEY_FIELDS if field in entry]
+        if len(given) > 1:
+            raise CatalogConfigError(
+                f"provider {name!r}: give one of {', '.join(KEY_FIELDS)}, not {' and '.join(given)}"
+            )
+        entry = dict(entry)
+        if "api_key_env" in entry:
+            variable = entry.pop("api_key_env")
+            if not isinstance(variable, str) or not variable:
+                raise CatalogConfigError(f"provider {name!r}: api_key_env must name an environment variable")
+            value = environ.get(variable, "").strip()
+            if not value:
+                raise CatalogConfigError(
+                    f"provider {name!r} takes its API key from the environment variable {variable} (api_key_env),"
+                    " which is not set"
+                )
+            entry["api_key"] = value
+        elif "api_key_file" in entry:
+            raw = entry.pop("api_key_file")
+            if not isinstance(raw, str) or not raw:
+                raise CatalogConfigError(f"provider {name!r}: api_key_file must be a path")
+            file = Path(raw) if Path(raw).is_absolute() else base / raw
+            try:
+                value = file.read_text().strip()
+            except OSError as e:
+                raise CatalogConfigError(
+                    f"provider {name!r} takes its API key from the file {file} (api_key_file), which cannot be"
+                    f" read: {e.strerror or type(e).__name__}"
+                ) from e
+            if not value:
+                raise CatalogConfigError(f"provider {name!r}: the API key file {file} (api_key_file) is empty")
+            entry["api_key"] = value
+        resolved[name] = entry
+    return {**config, "providers": resolved}
 
 
 def catalog_for(providers_file: Path | None, *, echo_input_price: Decimal, echo_output_price: Decimal) -> ModelCatalog:
     """The catalog every stage uses: built-in models plus those of the providers file (the proxy and the context
     stage must agree on windows, output limits and tokenizer families)."""
-    config = load_provider_config(providers_file) if providers_file is not None else {}
+    config = load_provider_config(providers_file, resolve_keys=False) if providers_file is not None else {}
     return ModelCatalog.from_config(
         config, echo_input_price_per_mtok=echo_input_price, echo_output_price_per_mtok=echo_output_price
     )

@@ -52,6 +52,13 @@ class _RegistrySpec(BaseModel):
     fallbacks: dict[str, list[str]] = Field(default_factory=dict)
 
 
+def _parse(config: Mapping[str, Any]) -> _RegistrySpec:
+    try:
+        return _RegistrySpec.model_validate(config)
+    except ValidationError as e:
+        raise CatalogConfigError(f"invalid provider configuration: {e}") from e
+
+
 class ProviderRegistry:
     """Catalog-driven routing from model names to ``Provider`` instances, with fallback chains."""
 
@@ -88,16 +95,23 @@ class ProviderRegistry:
         session: aiohttp.ClientSession,
     ) -> ProviderRegistry:
         """Echo plus one ``OpenAICompatProvider`` per ``providers`` entry, sharing ``session`` (owned by the caller)."""
-        try:
-            spec = _RegistrySpec.model_validate(config)
-        except ValidationError as e:
-            raise CatalogConfigError(f"invalid provider configuration: {e}") from e
+        spec = _parse(config)
         providers: dict[str, Provider] = {ECHO_PROVIDER: EchoProvider(catalog)}
         for name, provider_spec in spec.providers.items():
             settings = OpenAICompatConfig(**provider_spec.model_dump(exclude={"type"}))
             providers[name] = OpenAICompatProvider(name, settings, session, catalog=catalog)
         try:
             return cls(catalog, providers, spec.fallbacks)
+        except (ValueError, LookupError) as e:
+            raise CatalogConfigError(f"invalid fallback configuration: {e}") from e
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any], catalog: ModelCatalog) -> None:
+        """Raise :class:`CatalogConfigError` for a configuration ``from_config`` would refuse (checked at start,
+        before anything else is opened, so a mistake in the providers file stops a process at once)."""
+        spec = _parse(config)
+        try:
+            cls(catalog, {}, spec.fallbacks)
         except (ValueError, LookupError) as e:
             raise CatalogConfigError(f"invalid fallback configuration: {e}") from e
 
