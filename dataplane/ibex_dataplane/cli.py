@@ -33,8 +33,8 @@ from ibex_dataplane.memory.app import create_memory_app
 from ibex_dataplane.providers.catalog import CatalogConfigError, ModelCatalog, catalog_for, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.app import create_app
-from ibex_dataplane.runtime.embedded import EmbeddedRuntime
-from ibex_dataplane.runtime.errors import EmbeddedStoreError
+from ibex_dataplane.runtime.embedded import EmbeddedRuntime, RuntimeHolder, RuntimeInfo, runtime_holder
+from ibex_dataplane.runtime.errors import DataDirInUse, EmbeddedStoreError
 from ibex_dataplane.runtime.stores import Stores, StoreUrls, load_or_create_secret, migrate_all
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
@@ -183,6 +183,7 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
             print(f"  {ref}: {token}")
 
         async with _data_plane(settings, stores, pepper, args.host, args.port) as base_url:
+            runtime.lock.announce(base_url)  # for the messages of commands that find this data dir taken
             print(f"ibex dev ready in {time.monotonic() - started:.1f}s: {base_url} (Ctrl-C to stop)", flush=True)
             await _wait_for_signal()
         print("ibex dev: stopping", flush=True)
@@ -199,6 +200,13 @@ def cmd_dev(args: argparse.Namespace, settings: Settings) -> int:
     try:
         try:
             runtime.start()
+        except DataDirInUse as e:
+            print(
+                f"ibex dev: {_who(RuntimeHolder(e.pid, e.url))} is already running on {e.data_dir}: use it, stop it"
+                " first, or give this one another --data-dir",
+                file=sys.stderr,
+            )
+            return 2
         except EmbeddedStoreError as e:
             print(f"ibex dev: cannot start embedded stores: {e}", file=sys.stderr)
             return 1
@@ -258,8 +266,37 @@ def _run_stage(
         return 1
 
 
+def _who(holder: RuntimeHolder) -> str:
+    details = [f"pid {holder.pid}"] if holder.pid else []
+    details += [f"serving {holder.url}"] if holder.url else []
+    return "`ibex dev`" + (f" ({', '.join(details)})" if details else "")
+
+
+def _engine_holder(settings: Settings, urls: StoreUrls) -> RuntimeHolder | None:
+    """The running ``ibex dev`` whose embedded ClickHouse engine ``urls`` would open, if any: chdb opens a data
+    path in one process only, so a second process can neither migrate it nor ever report ready on it."""
+    if not urls.clickhouse_url.startswith("chdb:"):
+        return None
+    try:
+        if RuntimeInfo.read(settings.data_dir / "runtime.json").clickhouse_url != urls.clickhouse_url:
+            return None
+    except EmbeddedStoreError:
+        return None
+    return runtime_holder(settings.data_dir)
+
+
 async def _serve_proxy(args: argparse.Namespace, settings: Settings) -> int:
     urls = StoreUrls.from_settings(settings)
+    holder = _engine_holder(settings, urls)
+    if holder is not None:
+        print(
+            f"ibex proxy: {_who(holder)} holds the embedded ClickHouse engine of {settings.data_dir} (it opens in one"
+            " process only), so this proxy could never become ready. `ibex dev` already serves a proxy; to run"
+            " another beside it, give this one a ClickHouse of its own: IBEX_CLICKHOUSE_URL=http://... (a server)"
+            " or chdb:///another/folder",
+            file=sys.stderr,
+        )
+        return 2
     if settings.key_pepper:
         pepper = settings.key_pepper.get_secret_value().encode()
     else:
@@ -411,8 +448,23 @@ def cmd_keys_issue(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    async def run() -> None:
+    try:
         urls = StoreUrls.from_settings(settings)
+    except EmbeddedStoreError as e:
+        print(f"ibex migrate: {e}", file=sys.stderr)
+        return 1
+    holder = _engine_holder(settings, urls)
+    if holder is not None:
+        print(
+            f"ibex migrate: {_who(holder)} runs the embedded stores of {settings.data_dir} and applied every pending"
+            " migration when it started (its ClickHouse engine opens in one process only, so nothing else can"
+            " migrate it). To apply migrations added since, stop `ibex dev` and start it again: it migrates at"
+            " every start. `ibex migrate` is for stores you run yourself (the IBEX_* store URLs).",
+            file=sys.stderr,
+        )
+        return 2
+
+    async def run() -> None:
         clickhouse = ClickHouse(urls.clickhouse_url)
         try:
             await migrate_all(urls, settings, clickhouse)

@@ -196,22 +196,46 @@ def context_stage(env: dict[str, str]) -> Iterator[str]:
     assert running.proc.returncode == 0, f"ibex context exited with {running.proc.returncode}"
 
 
+def refused(args: list[str], env: dict[str, str]) -> str:
+    """`ibex <args>` must stop at once with exit code 2; returns what it said."""
+    done = subprocess.run([*IBEX, *args], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, (args, done.returncode, done.stdout, done.stderr)
+    return done.stderr
+
+
 async def test_stages_run_as_separate_processes_over_ibex_devs_stores(scratch: Path) -> None:
     """`ibex memory`, `ibex context` and `ibex proxy` alone (as the chart's containers run them), wired by URL and
-    shared secret: a memory written through the proxy reaches the next chat's prompt."""
+    shared secret: a memory written through the proxy reaches the next chat's prompt. Beside `ibex dev` the extra
+    proxy needs a ClickHouse of its own (chdb opens in one process): without one it refuses to start, like
+    `ibex migrate` and a second `ibex dev` on the same data dir, each saying what to do instead."""
     data_dir = scratch / "data"
     env = {**os.environ, **UNHURRIED, "IBEX_INTERNAL_SECRET": "s" * 32, "IBEX_LOG_LEVEL": "WARNING"}
-    with ibex_dev(data_dir, scratch / "keys.json"):
+    with ibex_dev(data_dir, scratch / "keys.json") as dev:
+        lock = json.loads((data_dir / "runtime.lock").read_text())
+        assert lock == {"pid": dev.proc.pid, "url": dev.url}
+        said = refused(["migrate"], {**env, "IBEX_DATA_DIR": str(data_dir)})
+        assert "applied every pending migration when it started" in said and f"serving {dev.url}" in said
+        said = refused(["proxy", "--data-dir", str(data_dir), "--port", "0"], env)
+        assert "could never become ready" in said and "IBEX_CLICKHOUSE_URL" in said
+        said = refused(["dev", "--data-dir", str(data_dir), "--port", "0"], env)
+        assert f"is already running on {data_dir}" in said
+        assert (data_dir / "runtime.json").exists() and json.loads((data_dir / "runtime.lock").read_text()) == lock
+
         token = json.loads((scratch / "keys.json").read_text())["tenants/support-bot-key"]
         headers = {"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": "support-bot"}
+        own_clickhouse = {"IBEX_CLICKHOUSE_URL": f"chdb://{scratch / 'proxy-clickhouse'}"}
         with (
             stage("memory", data_dir, env) as memory_url,
             context_stage({**env, "IBEX_MEMORY_URL": memory_url}) as context_url,
             stage(
-                "proxy", data_dir, {**env, "IBEX_MEMORY_URL": memory_url, "IBEX_CONTEXT_URL": context_url}
+                "proxy",
+                data_dir,
+                {**env, **own_clickhouse, "IBEX_MEMORY_URL": memory_url, "IBEX_CONTEXT_URL": context_url},
             ) as proxy_url,
         ):
             async with ClientSession() as http:
+                async with http.get(proxy_url + "/readyz") as r:
+                    assert r.status == 200, await r.text()
                 body = {"content": "The customer prefers e-mail over phone calls."}
                 async with http.post(proxy_url + "/v1/memories", json=body, headers=headers) as r:
                     assert r.status == 201, await r.text()

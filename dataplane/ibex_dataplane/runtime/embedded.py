@@ -3,7 +3,9 @@
 Owns starting, health-checking and stopping the three stores under one data directory, on 127.0.0.1 and free
 ports, as root (Postgres then runs as an unprivileged user) or as a normal user. ``ibex dev`` and the pytest
 fixtures both use :class:`EmbeddedRuntime`; it writes ``<data-dir>/runtime.json`` with the store URLs so other
-processes (``ibex operator --data-dir``) can attach.
+processes (``ibex operator --data-dir``) can attach, and holds ``<data-dir>/runtime.lock`` while the stores run, so
+a second runtime on the same folder, or a process that would open its single-process ClickHouse engine, can tell
+at once that the folder is taken (:func:`runtime_holder`).
 
 Everything here is synchronous (subprocesses); callers inside an event loop run it in a thread if they care.
 """
@@ -11,6 +13,7 @@ Everything here is synchronous (subprocesses); callers inside an event loop run 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from ibex_dataplane.runtime.errors import EmbeddedStoreError
+from ibex_dataplane.runtime.errors import DataDirInUse, EmbeddedStoreError
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +322,86 @@ class EmbeddedValkey:
         return f"redis://127.0.0.1:{self.port}/0"
 
 
+LOCK_FILE = "runtime.lock"
+
+
+@dataclass(frozen=True)
+class RuntimeHolder:
+    """The process running a data directory's embedded stores, as its lock file tells."""
+
+    pid: int | None
+    url: str | None  # the proxy it serves, once it said so
+
+
+class RuntimeLock:
+    """An exclusive ``flock`` on ``<data-dir>/runtime.lock`` for as long as the embedded stores run.
+
+    The kernel drops the lock when its holder exits, however it exits, so a stale file never blocks anyone. The
+    file holds ``{"pid", "url"}`` for the messages of whoever finds the folder taken.
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = runtime_holder(self.path.parent)
+            raise DataDirInUse(
+                str(self.path.parent), holder.pid if holder else None, holder.url if holder else None
+            ) from None
+        self._fd = fd
+        self.announce(None)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def announce(self, url: str | None) -> None:
+        """Record this process (and the URL it serves) in the lock file."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps({"pid": os.getpid(), "url": url}).encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        os.close(fd)  # closing the only descriptor releases the lock
+
+
+def runtime_holder(data_dir: Path) -> RuntimeHolder | None:
+    """Who runs the embedded stores of ``data_dir`` right now, or None when nobody does."""
+    path = data_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                raw = json.loads(os.read(fd, 4096) or b"{}")
+            except ValueError:
+                raw = {}
+            pid, url = raw.get("pid"), raw.get("url")
+            return RuntimeHolder(pid if isinstance(pid, int) else None, url if isinstance(url, str) else None)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 class EmbeddedRuntime:
     """The three stores under one data directory; a context manager that leaves nothing running."""
 
@@ -327,6 +410,7 @@ class EmbeddedRuntime:
         self.postgres = EmbeddedPostgres(self.data_dir / "postgres")
         self.valkey = EmbeddedValkey(self.data_dir / "valkey")
         self.clickhouse_path = self.data_dir / "clickhouse"
+        self.lock = RuntimeLock(self.data_dir)
         self._info: RuntimeInfo | None = None
 
     @property
@@ -340,7 +424,9 @@ class EmbeddedRuntime:
         return self._info
 
     def start(self) -> RuntimeInfo:
+        """Start the stores; :class:`DataDirInUse` (before anything starts) when another process runs them."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
         self.clickhouse_path.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         try:
@@ -360,6 +446,8 @@ class EmbeddedRuntime:
         return self._info
 
     def stop(self) -> None:
+        if not self.lock.held:  # never started here (e.g. the folder is another process's): nothing of ours runs
+            return
         errors: list[str] = []
         for name, stop in (("valkey", self.valkey.stop), ("postgres", self.postgres.stop)):
             try:
@@ -368,6 +456,7 @@ class EmbeddedRuntime:
                 errors.append(f"{name}: {e}")
         self.runtime_file.unlink(missing_ok=True)
         self._info = None
+        self.lock.release()
         if errors:
             raise EmbeddedStoreError("; ".join(errors))
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
+from pydantic import SecretStr
 
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.errors import EmbeddedStoreError
@@ -38,22 +39,29 @@ class StoreUrls:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> StoreUrls:
-        """Explicit URLs win; otherwise attach to the embedded runtime recorded under the data dir."""
-        if settings.postgres_dsn and settings.redis_url and settings.clickhouse_url:
-            admin = settings.postgres_admin_dsn.get_secret_value() if settings.postgres_admin_dsn else None
-            return cls(
-                settings.postgres_dsn.get_secret_value(),
-                admin,
-                settings.redis_url.get_secret_value(),
-                settings.clickhouse_url.get_secret_value(),
-            )
+        """Each explicitly configured store wins; the others come from the embedded runtime recorded under the data
+        dir (e.g. ``IBEX_CLICKHOUSE_URL`` alone gives a process beside ``ibex dev`` a ClickHouse of its own)."""
+
+        def value(secret: SecretStr | None) -> str | None:
+            return secret.get_secret_value() if secret else None
+
+        postgres, admin = value(settings.postgres_dsn), value(settings.postgres_admin_dsn)
+        redis, clickhouse = value(settings.redis_url), value(settings.clickhouse_url)
+        if postgres and redis and clickhouse:
+            return cls(postgres, admin, redis, clickhouse)
         runtime_file = settings.data_dir / "runtime.json"
         if not runtime_file.exists():
             raise EmbeddedStoreError(
                 f"no store URLs configured (IBEX_POSTGRES_DSN, IBEX_REDIS_URL, IBEX_CLICKHOUSE_URL) and no embedded "
                 f"runtime at {runtime_file}: start `ibex dev` or set the URLs"
             )
-        return cls.from_runtime(RuntimeInfo.read(runtime_file))
+        info = RuntimeInfo.read(runtime_file)
+        return cls(
+            postgres or info.postgres_app_dsn,
+            admin or (None if postgres else info.postgres_admin_dsn),  # never another server's admin DSN
+            redis or info.redis_url,
+            clickhouse or info.clickhouse_url,
+        )
 
 
 def migrations_dir(settings: Settings) -> Path:
