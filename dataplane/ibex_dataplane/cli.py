@@ -364,6 +364,25 @@ def _providers_problem(settings: Settings, *, keys: bool) -> str | None:
     return None
 
 
+def _port_problem(host: str, port: int) -> str | None:
+    """Why the proxy could not listen on ``host:port``, checked before anything starts (the bind is tried and
+    released; aiohttp binds the same way, with SO_REUSEADDR)."""
+    if port == 0:
+        return None
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as e:
+        return (
+            f"cannot listen on {host}:{port} ({e.strerror or type(e).__name__}): stop what uses that port, or pass"
+            " --port P (--port 0 picks a free one)"
+        )
+    return None
+
+
 def _catalog(settings: Settings) -> ModelCatalog:
     return catalog_for(
         settings.providers_file,
@@ -686,6 +705,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("dev", "proxy"):  # the proxy's listener; other stages default to their own settings
         args.host = settings.host if args.host is None else args.host
         args.port = settings.port if args.port is None else args.port
+        problem = _port_problem(args.host, args.port)
+        if problem is not None:
+            print(f"ibex {args.command}: {problem}", file=sys.stderr)
+            return 2
     _configure_logging(settings)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result: int = args.func(args, settings)

@@ -1,10 +1,12 @@
 """A data dir whose embedded stores `ibex dev` runs is taken: a second `ibex dev`, `ibex migrate` and `ibex proxy`
-on its single-process ClickHouse engine stop at once and say what to do instead."""
+on its single-process ClickHouse engine stop at once and say what to do instead; so do `ibex dev` and
+`ibex proxy` on a port that is taken."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -141,3 +143,15 @@ def test_a_second_ibex_dev_on_the_same_data_dir_stops_before_starting_anything(t
     assert f"`ibex dev` (pid {os.getpid()}, serving {URL}) is already running on {taken}" in err
     assert "another --data-dir" in err
     assert json.loads((taken / "runtime.json").read_text()) == before
+
+
+@pytest.mark.parametrize("command", ["dev", "proxy"])
+def test_a_busy_port_stops_dev_and_proxy_before_anything_starts(tmp_path: Path, run: Run, command: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = run(command, "--data-dir", str(tmp_path / "data"), "--host", "127.0.0.1", "--port", str(port))
+    assert code == 2
+    assert f"ibex {command}: cannot listen on 127.0.0.1:{port}" in err and "--port 0 picks a free one" in err
+    assert not (tmp_path / "data").exists()
