@@ -77,3 +77,11 @@ async def test_idle_sessions_are_closed_by_the_sweeper(tenants: TenantFactory, s
     async with stores.admin_pool.acquire() as conn:
         status = await conn.fetchval("SELECT status FROM sessions WHERE org_id = $1", t.org_id)
     assert status == "closed"
+    # A later turn with the same id opens the session again (docs/concepts.md, "Session").
+    turn = await sessions.record_turn(
+        t.org_id, t.agents["alpha"], "idle-1", request_id="r2", message_digests=["b"], completion_digest=None,
+        prompt_tokens=1, completion_tokens=1, latency_ms=1.0,
+    )  # fmt: skip
+    async with stores.admin_pool.acquire() as conn:
+        status = await conn.fetchval("SELECT status FROM sessions WHERE org_id = $1", t.org_id)
+    assert (turn, status) == (2, "active")

@@ -327,6 +327,11 @@ class ChatHandler:
         self._pipeline = pipeline
         self._s = services
 
+    @property
+    def gate_names(self) -> list[str]:
+        """The chat gates in the order they run (docs/architecture.md lists the same)."""
+        return self._pipeline.names
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         state = GateState(request, request_id_of(request), "chat", server_request_id=server_request_id_of(request))
         status, error_code = 500, "INTERNAL_ERROR"
