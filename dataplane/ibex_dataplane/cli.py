@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -141,6 +142,70 @@ async def _data_plane(settings: Settings, stores: Stores, pepper: bytes, host: s
         embedder.close()
 
 
+@dataclass(frozen=True)
+class DevKey:
+    """An API key `ibex dev` issued from the manifests, as it presents it."""
+
+    ref: str  # <namespace>/<ApiKey name>
+    token: str
+    organization: str
+    agents: tuple[str, ...]
+    scopes: tuple[str, ...]
+    model: str  # the default model of its first agent (else of its organization, else echo)
+
+
+def _default_models(resources: Sequence[object]) -> dict[tuple[str, str], str]:
+    """(namespace, agent name) -> the model a request naming none would get."""
+    from ibex_operator.models import Agent, Organization
+
+    orgs = {
+        (r.metadata.namespace, r.metadata.name): r.spec.models.default
+        for r in resources
+        if isinstance(r, Organization) and r.spec.models.default
+    }
+    out: dict[tuple[str, str], str] = {}
+    for r in resources:
+        if isinstance(r, Agent):
+            model = r.spec.default_model or orgs.get((r.metadata.namespace, r.spec.organization_ref.name))
+            if model:
+                out[(r.metadata.namespace, r.metadata.name)] = model
+    return out
+
+
+def dev_welcome(base_url: str, keys: Sequence[DevKey], keys_file: Path, *, python: str) -> str:
+    """What `ibex dev` prints once it is ready: the keys with what they may do, and a curl command and an OpenAI
+    SDK snippet that work as pasted (with the first key that may chat)."""
+    lines = [f"API keys (also in {keys_file}):"]
+    for k in keys:
+        lines.append(f"  {k.ref}: {k.token}")
+        lines.append(f"    organization {k.organization}; acts as {', '.join(k.agents)}; scopes {', '.join(k.scopes)}")
+    chat = next((k for k in keys if "chat" in k.scopes), None)
+    if chat is None:
+        lines.append("No key has the chat scope: give one `chat` in the manifests to call models.")
+        return "\n".join(lines)
+    agent = chat.agents[0]
+    body = json.dumps({"model": chat.model, "messages": [{"role": "user", "content": "Hello"}]})
+    lines += [
+        "",
+        f"Try it as {agent} with {chat.ref}:",
+        f"curl -s {base_url}/v1/chat/completions \\",
+        f'  -H "Authorization: Bearer {chat.token}" -H "X-IBEX-Agent-ID: {agent}" \\',
+        f"  -H \"Content-Type: application/json\" -d '{body}'",
+        "",
+        "or with the OpenAI SDK:",
+        f"{python} - <<'PY'",
+        "from openai import OpenAI",
+        f'client = OpenAI(base_url="{base_url}/v1", api_key="{chat.token}",',
+        f'                default_headers={{"X-IBEX-Agent-ID": "{agent}"}})',
+        f'reply = client.chat.completions.create(model="{chat.model}",',
+        '                                       messages=[{"role": "user", "content": "Hello"}])',
+        "print(reply.choices[0].message.content)",
+        "PY",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: EmbeddedRuntime, started: float) -> int:
     from ibex_operator.manifests import ManifestError, apply_manifests, load_manifests
     from ibex_operator.models import ApiKey
@@ -169,21 +234,28 @@ async def _serve_dev(args: argparse.Namespace, settings: Settings, runtime: Embe
             flag = "ready" if o.ready else "NOT READY"
             print(f"  {o.ref}: {flag} ({o.reason}{': ' + o.message if o.message and not o.ready else ''})")
 
-        keys: dict[str, str] = {}
-        for m in manifests:
-            r = m.resource
+        resources = [m.resource for m in manifests]
+        models = _default_models(resources)
+        keys: list[DevKey] = []
+        for r in resources:
             if isinstance(r, ApiKey) and not r.spec.revoked:
                 token = await sink.read(r.metadata.namespace, r.spec.secret_name)
                 if token:
-                    keys[f"{r.metadata.namespace}/{r.metadata.name}"] = token
+                    agents = tuple(a.name for a in r.spec.agent_refs)
+                    keys.append(
+                        DevKey(
+                            f"{r.metadata.namespace}/{r.metadata.name}", token, r.spec.organization_ref.name, agents,
+                            tuple(s.value for s in r.spec.scopes),
+                            models.get((r.metadata.namespace, agents[0])) or "echo",
+                        )
+                    )  # fmt: skip
+        keys.sort(key=lambda k: k.ref)
         keys_out = Path(args.keys_out) if args.keys_out else runtime.data_dir / "keys.json"
-        _write_keys(keys_out, keys)
-        print(f"API keys (also in {keys_out}):")
-        for ref, token in sorted(keys.items()):
-            print(f"  {ref}: {token}")
+        _write_keys(keys_out, {k.ref: k.token for k in keys})
 
         async with _data_plane(settings, stores, pepper, args.host, args.port) as base_url:
             runtime.lock.announce(base_url)  # for the messages of commands that find this data dir taken
+            print(dev_welcome(base_url, keys, keys_out, python=sys.executable), flush=True)
             print(f"ibex dev ready in {time.monotonic() - started:.1f}s: {base_url} (Ctrl-C to stop)", flush=True)
             await _wait_for_signal()
         print("ibex dev: stopping", flush=True)
@@ -615,11 +687,54 @@ def _int_list(value: str) -> list[int]:
     return items
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ibex", description="IBEX Harness: memory and gateway layer for agents")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _commands(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    """Subcommands whose list is the parser's epilog (one line each, see :func:`_list_commands`), not argparse's."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    return parser.add_subparsers(dest=dest, required=True, metavar="COMMAND", help=argparse.SUPPRESS)
 
-    dev = sub.add_parser("dev", help="run the whole stack locally on embedded stores")
+
+def _command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str
+) -> argparse.ArgumentParser:
+    """A subcommand whose one-line summary is its description (shown by ``ibex --help`` and ``ibex NAME --help``)."""
+    return sub.add_parser(name, description=summary)
+
+
+def leaf_commands(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
+    """Every runnable command under ``parser`` (``dev``, ``keys issue``, ...) with its one-line summary."""
+    found: list[tuple[str, str]] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                nested = leaf_commands(child)
+                found += [(f"{name} {n}", s) for n, s in nested] if nested else [(name, child.description or "")]
+    return found
+
+
+def _list_commands(parser: argparse.ArgumentParser) -> None:
+    """Give every parser with subcommands an epilog listing them, one line each."""
+    commands = leaf_commands(parser)
+    if not commands:
+        return
+    width = max(len(name) for name, _ in commands)
+    lines = [f"  {name:<{width}}  {summary}" for name, summary in commands]
+    parser.epilog = "commands (add --help after one for its flags):\n" + "\n".join(lines)
+    parser.usage = "%(prog)s [-h] COMMAND ..."  # set last: the subcommands' own prog was derived without it
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _list_commands(child)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ibex",
+        description="IBEX Harness: memory and gateway layer for agents",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = _commands(parser, "command")
+
+    dev = _command(sub, "dev", "run the whole stack locally on embedded stores")
     dev.add_argument("--manifests", default="examples/tenants", help="folder of tenant YAML manifests")
     dev.add_argument("--data-dir", default=None, help="where embedded stores keep data (IBEX_DATA_DIR)")
     dev.add_argument("--host", default=None, help="proxy listen address (IBEX_HOST)")
@@ -627,18 +742,18 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--keys-out", default=None, help="write issued API keys here as JSON (default DATA_DIR/keys.json)")
     dev.set_defaults(func=cmd_dev)
 
-    proxy = sub.add_parser("proxy", help="run the proxy stage against configured (or `ibex dev`'s) stores")
+    proxy = _command(sub, "proxy", "run the proxy stage against configured (or `ibex dev`'s) stores")
     proxy.add_argument("--data-dir", default=None, help="attach to the stores of `ibex dev` running on this data dir")
     proxy.add_argument("--host", default=None, help="listen address (IBEX_HOST)")
     proxy.add_argument("--port", type=int, default=None, help="port, 0 for a free one (IBEX_PORT)")
     proxy.set_defaults(func=cmd_proxy)
 
-    memory = sub.add_parser("memory", help="run the memory stage against configured (or `ibex dev`'s) stores")
+    memory = _command(sub, "memory", "run the memory stage against configured (or `ibex dev`'s) stores")
     memory.add_argument("--data-dir", default=None, help="attach to the stores of `ibex dev` running on this data dir")
     memory.add_argument("--host", default=None, help="listen address (IBEX_MEMORY_HOST)")
     memory.add_argument("--port", type=int, default=None, help="port, 0 for a free one (IBEX_MEMORY_PORT)")
     memory.set_defaults(func=cmd_memory)
-    context = sub.add_parser("context", help="run the context stage (gRPC ContextAssembly) against the memory stage")
+    context = _command(sub, "context", "run the context stage (gRPC ContextAssembly) against the memory stage")
     context.add_argument("--host", default=None, help="listen address (IBEX_CONTEXT_HOST)")
     context.add_argument("--port", type=int, default=None, help="gRPC port, 0 for a free one (IBEX_CONTEXT_PORT)")
     context.add_argument(
@@ -646,8 +761,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     context.set_defaults(func=cmd_context)
 
-    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
-    issue = keys.add_parser("issue", help="issue a key for agents of an organization (local stores)")
+    keys = _commands(_command(sub, "keys", "API keys"), "keys_command")
+    issue = _command(keys, "issue", "issue a key for agents of an organization (local stores)")
     issue.add_argument("--org", required=True, help="Organization name")
     issue.add_argument("--agent", required=True, help="Agent name (comma-separated for several)")
     issue.add_argument("--namespace", default="tenants", help="namespace of the organization (default: tenants)")
@@ -656,20 +771,18 @@ def build_parser() -> argparse.ArgumentParser:
     issue.add_argument("--data-dir", default=None, help="the data dir of a running `ibex dev`")
     issue.set_defaults(func=cmd_keys_issue)
 
-    evaluation = sub.add_parser("eval", help="measure retrieval quality").add_subparsers(
-        dest="eval_command", required=True
-    )
-    locomo = evaluation.add_parser("locomo", help="evidence recall@k of memory search on a LoCoMo-format file")
+    evaluation = _commands(_command(sub, "eval", "measure retrieval quality"), "eval_command")
+    locomo = _command(evaluation, "locomo", "evidence recall@k of memory search on a LoCoMo-format file")
     locomo.add_argument("file", help="LoCoMo-format JSON (a list of conversations with questions)")
     locomo.add_argument("--k", type=_int_list, default=[1, 5, 10, 20], help="cut-offs (default: 1,5,10,20; max 50)")
     locomo.add_argument("--categories", type=_int_list, default=[1, 2, 3, 4], help="question categories (1,2,3,4)")
     locomo.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     locomo.set_defaults(func=cmd_eval_locomo)
 
-    migrate = sub.add_parser("migrate", help="apply pending Postgres and ClickHouse migrations")
+    migrate = _command(sub, "migrate", "apply pending Postgres and ClickHouse migrations")
     migrate.set_defaults(func=cmd_migrate)
 
-    op = sub.add_parser("operator", help="run the Kubernetes operator (Organization, Agent, Directive, ApiKey)")
+    op = _command(sub, "operator", "run the Kubernetes operator (Organization, Agent, Directive, ApiKey)")
     op.add_argument(
         "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig file (default: KUBECONFIG, in-cluster)"
     )
@@ -687,6 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--health-port", type=int, default=None, help="port of the health endpoint (default: off)")
     op.add_argument("--migrate", action="store_true", help="apply pending migrations once this replica leads")
     op.set_defaults(func=cmd_operator)
+    _list_commands(parser)
     return parser
 
 

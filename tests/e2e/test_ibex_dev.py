@@ -88,8 +88,9 @@ async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(scra
         pepper = bytes.fromhex((data_dir / "pepper").read_text())
         assert [await token_is_valid(info, pepper, t) for t in first_keys.values()] == [True] * len(first_keys)
         for ref, token in first_keys.items():
-            assert token in "".join(dev.output), f"{ref} was not printed"
+            assert f"  {ref}: {token}\n" in dev.output, f"{ref} was not printed"
         assert "not supported by registry" not in "".join(dev.output)  # dependency noise is filtered at start
+        await check_the_welcome(dev, first_keys)
 
         # The main job serves chats as a user drives it: the official SDK, a printed key, the echo model.
         def chat_as(token: str) -> list[dict[str, str]]:
@@ -154,6 +155,40 @@ async def test_ibex_dev_serves_keeps_data_across_restarts_and_stops_cleanly(scra
         assert second_keys == first_keys
         assert [await token_is_valid(info, pepper, t) for t in second_keys.values()] == [True] * len(second_keys)
     assert dev.proc.returncode == 0
+
+
+def snippet(output: list[str], first: str, last: str) -> str:
+    """The lines of ``output`` from the one starting with ``first`` to the next one matching ``last``."""
+    start = next(i for i, line in enumerate(output) if line.startswith(first))
+    end = next(i for i in range(start, len(output)) if re.fullmatch(last, output[i].rstrip("\n")))
+    return "".join(output[start : end + 1])
+
+
+async def check_the_welcome(dev: IbexProcess, keys: dict[str, str]) -> None:
+    """Once ready, `ibex dev` shows each key with what it may do, and a curl command and an SDK snippet that work
+    as pasted; the ready line comes last, so everything above it is usable when it appears."""
+    assert re.match(r"ibex dev ready in [\d.]+s: http://", dev.output[-1])
+    printed = "".join(dev.output)
+    assert "  tenants/support-bot-key: " in printed
+    assert (
+        "    organization acme; acts as support-bot; scopes chat, memory:read, memory:write, memory:delete\n" in printed
+    )
+    assert "acts as support-bot, research-agent; scopes chat, memory:read, memory:write, memory:delete, usage:read" in (
+        printed
+    )
+    curl = snippet(dev.output, "curl -s ", r".*'")
+    done = await asyncio.to_thread(
+        subprocess.run, ["bash", "-c", curl], capture_output=True, text=True, timeout=60
+    )  # fmt: skip
+    assert done.returncode == 0, (curl, done.stderr)
+    seen = json.loads(json.loads(done.stdout)["choices"][0]["message"]["content"])
+    assert seen[-1] == {"role": "user", "content": "Hello"} and any(t in curl for t in keys.values())
+    sdk = snippet(dev.output, sys.executable + " - <<'PY'", "PY")
+    done = await asyncio.to_thread(
+        subprocess.run, ["bash", "-c", sdk], capture_output=True, text=True, timeout=120
+    )  # fmt: skip
+    assert done.returncode == 0, (sdk, done.stderr)
+    assert {"role": "user", "content": "Hello"} in json.loads(done.stdout)
 
 
 def test_ibex_dev_refuses_an_invalid_manifest_naming_file_resource_and_field(tmp_path: Path) -> None:
