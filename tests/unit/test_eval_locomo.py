@@ -94,14 +94,17 @@ def test_summary_has_the_documented_shape_and_averages_by_category() -> None:
 
 async def test_the_client_retries_overload_with_the_same_idempotency_key_and_nothing_else() -> None:
     seen: list[tuple[str, str | None]] = []
-    answers = [(503, {"Retry-After": "0"}), (429, {"Retry-After": "0"}), (200, {})]
+    in_progress = {"error": {"code": "IDEMPOTENCY_IN_PROGRESS"}}
+    answers = [(503, {"Retry-After": "0"}, {}), (409, {}, in_progress), (429, {"Retry-After": "0"}, {}), (200, {}, {})]
 
     async def handler(request: web.Request) -> web.Response:
         seen.append((request.path, request.headers.get("Idempotency-Key")))
         if request.path == "/bad":
             return web.json_response({"error": {"code": "VALIDATION_ERROR"}}, status=400)
-        status, headers = answers.pop(0)
-        return web.json_response({"ok": status == 200}, status=status, headers=headers)
+        if request.path == "/conflict":
+            return web.json_response({"error": {"code": "IDEMPOTENCY_CONFLICT"}}, status=409)
+        status, headers, body = answers.pop(0)
+        return web.json_response(body or {"ok": status == 200}, status=status, headers=headers)
 
     app = web.Application()
     app.router.add_post("/{tail:.*}", handler)
@@ -115,8 +118,10 @@ async def test_the_client_retries_overload_with_the_same_idempotency_key_and_not
             assert await client.post("/write", {}, idempotent=True) == {"ok": True}
             with pytest.raises(EvaluationError, match="answered 400"):
                 await client.post("/bad", {})
+            with pytest.raises(EvaluationError, match="answered 409"):
+                await client.post("/conflict", {}, idempotent=True)
     finally:
         await runner.cleanup()
     keys = {key for path, key in seen if path == "/write"}
-    assert len([p for p, _ in seen if p == "/write"]) == 3 and len(keys) == 1 and None not in keys
-    assert [p for p, _ in seen].count("/bad") == 1
+    assert len([p for p, _ in seen if p == "/write"]) == 4 and len(keys) == 1 and None not in keys
+    assert [p for p, _ in seen].count("/bad") == 1 and [p for p, _ in seen].count("/conflict") == 1

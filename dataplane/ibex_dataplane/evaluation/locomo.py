@@ -33,7 +33,7 @@ DEFAULT_KS = (1, 5, 10, 20)
 BATCH_SIZE = 100  # the route's maximum
 MAX_SEARCH_LIMIT = 50
 INGEST_CONCURRENCY = 2  # batches in flight: PII checks and embedding of two batches overlap
-ATTEMPTS = 4  # a 503 or 429 is retried after its Retry-After (at most RETRY_CAP_S), as a client would
+ATTEMPTS = 6  # a 503, 429 or in-progress 409 is retried after its Retry-After (at most RETRY_CAP_S), as a client would
 RETRY_CAP_S = 5.0
 
 
@@ -151,7 +151,8 @@ class _Client:
         }
 
     async def post(self, path: str, body: Any, *, idempotent: bool = False) -> Any:
-        """One call; a 503 or 429 (the stack is overloaded or a store is away) is retried after its Retry-After.
+        """One call; a 503 or 429 (the stack is overloaded or a store is away), or a 409 saying the same idempotent
+        write is still in progress, is retried after its Retry-After.
         Writes retry only with an ``Idempotency-Key``, so a retried batch can never be applied twice."""
         headers = dict(self._headers)
         if idempotent:
@@ -163,7 +164,9 @@ class _Client:
                 if r.status == 200:
                     return orjson.loads(raw)
                 retry_after = r.headers.get("Retry-After", "1")
-            if r.status not in (429, 503) or attempt == ATTEMPTS:
+            # 409 IDEMPOTENCY_IN_PROGRESS: an earlier attempt the proxy gave up on is still being written.
+            in_progress = r.status == 409 and b"IDEMPOTENCY_IN_PROGRESS" in raw
+            if not (r.status in (429, 503) or in_progress) or attempt == ATTEMPTS:
                 raise EvaluationError(f"POST {path} answered {r.status}: {raw[:300]!r}")
             await asyncio.sleep(min(RETRY_CAP_S, float(retry_after) if retry_after.isdigit() else 1.0))
         raise AssertionError("unreachable")
