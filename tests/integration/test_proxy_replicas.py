@@ -9,7 +9,9 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import pytest
 import pytest_asyncio
 from aiohttp import ClientSession
 
@@ -22,15 +24,27 @@ from tests.support.tenants import NAMESPACE, TenantFactory
 
 
 @contextmanager
-def proxy_process(embedded: EmbeddedRuntime, pepper: bytes) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    env = {**os.environ, "IBEX_KEY_PEPPER": pepper.decode(), "IBEX_LOG_LEVEL": "WARNING"}
+def proxy_process(
+    embedded: EmbeddedRuntime, pepper: bytes, clickhouse: Path
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    # The suite's embedded ClickHouse opens in one process only: each replica gets an engine of its own.
+    env = {
+        **os.environ, "IBEX_KEY_PEPPER": pepper.decode(), "IBEX_LOG_LEVEL": "WARNING",
+        "IBEX_CLICKHOUSE_URL": f"chdb://{clickhouse}",
+    }  # fmt: skip
     with ibex_process(["proxy", "--data-dir", str(embedded.data_dir), "--port", "0"], env) as running:
         yield running.proc, running.url
 
 
 @pytest_asyncio.fixture(scope="module")
-async def replicas(embedded: EmbeddedRuntime, stores: Stores, pepper: bytes) -> AsyncIterator[list[str]]:
-    with proxy_process(embedded, pepper) as (a, url_a), proxy_process(embedded, pepper) as (b, url_b):
+async def replicas(
+    embedded: EmbeddedRuntime, stores: Stores, pepper: bytes, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[list[str]]:
+    scratch = tmp_path_factory.mktemp("replicas")
+    with (
+        proxy_process(embedded, pepper, scratch / "clickhouse-a") as (a, url_a),
+        proxy_process(embedded, pepper, scratch / "clickhouse-b") as (b, url_b),
+    ):
         yield [url_a, url_b]
         assert a.poll() is None and b.poll() is None, "a replica died during the test"
 

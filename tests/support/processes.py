@@ -25,7 +25,10 @@ class IbexProcess:
 
 @contextmanager
 def ibex_process(
-    args: list[str], env: dict[str, str], ready: str = r"ready.*?(http://\S+)", timeout: float = 90
+    args: list[str],
+    env: dict[str, str],
+    ready: str = r"^ibex [a-z]+ ready\b.*?(http://[^\s`'\"]+)",
+    timeout: float = 90,
 ) -> Iterator[IbexProcess]:
     """`ibex <args>`; yields once a line matches ``ready`` (group 1 is the URL). Output is kept in ``output``."""
     proc = subprocess.Popen(
