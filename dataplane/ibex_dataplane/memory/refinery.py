@@ -48,7 +48,7 @@ from ibex_dataplane.memory.models import (
 )
 from ibex_dataplane.memory.outbox import OutboxWorker
 from ibex_dataplane.memory.repository import HOT_SYNC, MemoryRepository
-from ibex_dataplane.memory.validation import MAX_CONTENT_BYTES, parse_write
+from ibex_dataplane.memory.validation import parse_write
 from ibex_dataplane.pii import PiiError
 from ibex_dataplane.shared.errors import (
     DeadlineExceeded,
@@ -57,6 +57,7 @@ from ibex_dataplane.shared.errors import (
     Unprocessable,
     ValidationFailed,
 )
+from ibex_dataplane.shared.memory_limits import MAX_CONTENT_BYTES
 from ibex_dataplane.store.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)

@@ -20,20 +20,22 @@ import orjson
 
 from ibex_dataplane.memory.models import MemoryDraft, MemorySource, MemoryStatus
 from ibex_dataplane.shared.errors import ValidationFailed
+from ibex_dataplane.shared.memory_limits import (
+    DEFAULT_LIST_LIMIT,
+    DEFAULT_SEARCH_LIMIT,
+    MAX_BATCH_ITEMS,
+    MAX_CONTENT_BYTES,
+    MAX_LABEL_CHARS,
+    MAX_LABELS,
+    MAX_LIST_LIMIT,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_DEPTH,
+    MAX_QUERY_BYTES,
+    MAX_SEARCH_LIMIT,
+    SESSION_ID_PATTERN,
+)
 
-MAX_CONTENT_BYTES = 10_000
-MAX_LABELS = 5
-MAX_LABEL_CHARS = 64
-MAX_METADATA_BYTES = 16_384
-MAX_METADATA_DEPTH = 6
-MAX_QUERY_BYTES = 2_000
-DEFAULT_SEARCH_LIMIT = 10
-MAX_SEARCH_LIMIT = 50
-DEFAULT_LIST_LIMIT = 20
-MAX_LIST_LIMIT = 100
-MAX_BATCH_ITEMS = 100
-
-_SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
 _WRITE_FIELDS = frozenset(
     {"content", "labels", "source", "confidence", "valid_from", "valid_until", "observed_at", "session_id", "metadata"}
 )
