@@ -8,7 +8,9 @@ tenant: the memory stage takes scope from the principal alone. An agent whose ``
 no memory writes (403); its existing memories can still be listed, read and forgotten. A memory stage that is not
 configured, cannot be reached or misses the deadline is 503 ``SERVICE_DEGRADED``.
 
-Wired by :func:`add_memory_routes`, called from :func:`ibex_dataplane.proxy.app.create_app`.
+The MCP tools (:mod:`ibex_dataplane.proxy.mcp`) run the same gates and make their memory calls through
+:meth:`MemoryForwarder.call`, the same signed hop to the same routes. Wired by :func:`add_memory_routes`, called from
+:func:`ibex_dataplane.proxy.app.create_app`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
+from ibex_dataplane.proxy.auth import require_scope
 from ibex_dataplane.proxy.gates import GatePipeline, GateState
 from ibex_dataplane.security.principal import HEADER, Principal, PrincipalSigner, http_target
 from ibex_dataplane.shared.errors import ApiError
@@ -34,6 +40,23 @@ _FORWARDED_REQUEST_HEADERS = ("Idempotency-Key", "X-Idempotency-Key")
 _RELAYED_RESPONSE_HEADERS = ("Retry-After", "X-Idempotency-Replayed")
 
 MEMORY_CLIENT = web.AppKey("memory_client", aiohttp.ClientSession)
+
+
+@dataclass(frozen=True)
+class StageReply:
+    """What the memory stage answered: status, body, the headers a client needs, and the body's content type."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str]
+    content_type: str
+
+    def json(self) -> Any:
+        """The body as JSON (``None`` when empty or not JSON)."""
+        try:
+            return orjson.loads(self.body) if self.body else None
+        except orjson.JSONDecodeError:
+            return None
 
 
 class MemoryForwarder:
@@ -63,12 +86,46 @@ class MemoryForwarder:
     async def forward(self, request: web.Request, scope: str) -> web.StreamResponse:
         state = GateState(request, request_id_of(request), scope)
         await self._bound.run(state)
+        headers = {name: request.headers[name] for name in _FORWARDED_REQUEST_HEADERS if name in request.headers}
+        reply = await self.call(
+            state, scope, request.method, request.path, raw_path=request.rel_url.raw_path,
+            query=request.rel_url.raw_query_string, body=state.raw_body, headers=headers,
+        )  # fmt: skip
+        relayed = {**state.response_headers, **reply.headers}  # the rate limit's headers, like every limited route
+        if reply.status == 204 or not reply.body:
+            return web.Response(status=reply.status, headers=relayed)
+        return web.Response(
+            status=reply.status, body=reply.body, headers={**relayed, "Content-Type": reply.content_type}
+        )
+
+    def admit(self, state: GateState, scope: str) -> None:
+        """The route's scope and, for writes, the agent's memory switch (after the gates ran)."""
         caller = state.require_caller()
         _, agent = state.require_agent()
+        require_scope(caller, scope)
         if scope == "memory:write" and not agent.memory_enabled:
             raise ApiError(
                 403, "INSUFFICIENT_PERMISSIONS", "memory is disabled for this agent (spec.memory.enabled is false)"
             )
+
+    async def call(
+        self,
+        state: GateState,
+        scope: str,
+        method: str,
+        path: str,
+        *,
+        raw_path: str | None = None,
+        query: str = "",
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+    ) -> StageReply:
+        """One signed call to the memory stage for a request whose gates passed: the HTTP memory routes and the MCP
+        tools both come through here, so both send the same principal to the same routes. ``path`` is what the
+        principal is signed for; ``raw_path`` (default ``path``) and ``query`` (encoded) are what is sent."""
+        self.admit(state, scope)
+        caller = state.require_caller()
+        _, agent = state.require_agent()
         if self._url is None or self._signer is None:
             raise ApiError(503, "SERVICE_DEGRADED", "the memory stage is not configured", headers={"Retry-After": "5"})
         principal = Principal(
@@ -77,38 +134,34 @@ class MemoryForwarder:
             scopes=frozenset(caller.scopes & MEMORY_SCOPES),
             request_id=state.request_id,
             deadline=time.time() + self._timeout,
-            target=http_target(request.method, request.path),
+            target=http_target(method, path),
         )
-        headers = {HEADER: self._signer.sign(principal), "X-Request-ID": state.request_id}
-        if state.raw_body:
-            headers["Content-Type"] = "application/json"
-        for name in _FORWARDED_REQUEST_HEADERS:
-            value = request.headers.get(name)
-            if value is not None:
-                headers[name] = value
+        sent = {HEADER: self._signer.sign(principal), "X-Request-ID": state.request_id}
+        if body:
+            sent["Content-Type"] = "application/json"
+        for name, value in (headers or {}).items():
+            if name in _FORWARDED_REQUEST_HEADERS:
+                sent[name] = value
         session = self._app[MEMORY_CLIENT]
         try:
             async with session.request(
-                request.method,
-                self._url + str(request.rel_url),
-                data=state.raw_body or None,
-                headers=headers,
+                method,
+                self._url + (raw_path or path) + (f"?{query}" if query else ""),
+                data=body or None,
+                headers=sent,
                 timeout=aiohttp.ClientTimeout(total=self._timeout + 1.0),
                 allow_redirects=False,
             ) as upstream:
-                body = await upstream.read()
+                raw = await upstream.read()
                 relayed = {k: upstream.headers[k] for k in _RELAYED_RESPONSE_HEADERS if k in upstream.headers}
-                status = upstream.status
-                content_type = upstream.headers.get("Content-Type", "application/json")
+                return StageReply(
+                    upstream.status, raw, relayed, upstream.headers.get("Content-Type", "application/json")
+                )
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("memory stage call failed (request_id=%s): %s", state.request_id, type(e).__name__)
             raise ApiError(
                 503, "SERVICE_DEGRADED", "the memory stage is unavailable", headers={"Retry-After": "1"}
             ) from e
-        if status == 204 or not body:
-            return web.Response(status=status, headers=relayed)
-        relayed["Content-Type"] = content_type
-        return web.Response(status=status, body=body, headers=relayed)
 
 
 def add_memory_routes(
