@@ -32,6 +32,7 @@ class Contract:
         self.base = base_url
         self.succeeded: set[tuple[str, str]] = set()
         self.statuses: list[tuple[str, str, int]] = []
+        self.last_headers: dict[str, str] = {}
 
     async def call(
         self,
@@ -56,6 +57,7 @@ class Contract:
         async with self.http.request(method.upper(), url, data=data, headers=h) as r:
             payload = await r.read()
             status, ctype = r.status, r.content_type
+            self.last_headers = dict(r.headers)
             assert r.headers.get("X-Request-ID"), (method, template)
         where = f"{method.upper()} {template} -> {status}: {payload[:300]!r}"
         if expect is not None:
@@ -64,16 +66,17 @@ class Contract:
         self.statuses.append((method, template, status))
         response = op["responses"][str(status)]
         pointer = f"/paths/{escape(template)}/{method}/responses/{status}/content/{escape(ctype)}"
-        if status == 204:
+        if status == 204 or (status == 202 and "content" not in response):
             assert payload == b"" and "content" not in response, where
             parsed: Any = None
         else:
             assert ctype in response["content"], f"undocumented content type {ctype}: {where}"
             if ctype == "text/event-stream":
                 events = schema_validator(self.doc, pointer + "/x-ibex-event-schema")
-                lines = [line for line in payload.decode().split("\n") if line]
-                assert lines[-1] == "data: [DONE]", where
-                parsed = [orjson.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+                lines = [line for line in payload.decode().split("\n") if line.startswith("data: ")]
+                if template != "/mcp":  # MCP's streams end with the answer, chat's with [DONE]
+                    assert lines.pop() == "data: [DONE]", where
+                parsed = [orjson.loads(line.removeprefix("data: ")) for line in lines]
                 for event in parsed:
                     errors = [e.message for e in events.iter_errors(event)]
                     assert not errors, (where, event, errors)
@@ -202,6 +205,29 @@ async def test_every_route_answers_what_the_document_says(proxy: RunningProxy, t
             await c.call("get", "/v1/usage", query=f"group_by={grouping}&from=2020-01-01", headers=key, expect=200)
         await c.call("get", "/v1/usage", query="group_by=planet", headers=key, expect=400)
         await c.call("get", "/v1/usage", headers=lacking, expect=403)
+
+        # -- MCP --
+        for well_known in ("/.well-known/oauth-protected-resource", "/.well-known/oauth-protected-resource/mcp"):
+            await c.call("get", well_known, expect=200)
+        mcp = {**agent, "Accept": "application/json, text/event-stream"}
+        await c.call("post", "/mcp", body={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, headers=mcp, expect=400)
+        initialize = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {"protocolVersion": "2025-11-25"}}
+        await c.call("post", "/mcp", body=initialize, headers=mcp, expect=200)
+        mcp["Mcp-Session-Id"] = c.last_headers["Mcp-Session-Id"]
+        note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        await c.call("post", "/mcp", body=note, headers=mcp, expect=202)
+        search = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                  "params": {"name": "search_memory", "arguments": {"query": "contact"}}}  # fmt: skip
+        await c.call("post", "/mcp", body=search, headers=mcp, expect=200)
+        search["params"]["_meta"] = {"progressToken": "p"}  # type: ignore[index]
+        events = await c.call("post", "/mcp", body=search, headers=mcp, expect=200)
+        assert [e.get("method") for e in events][-1] is None and events[-1]["result"]["isError"] is False
+        await c.call("post", "/mcp", body={"jsonrpc": "2.0", "id": 3, "method": "nope"}, headers=mcp, expect=200)
+        await c.call("post", "/mcp", raw=b"[", headers={**mcp, "Content-Type": "application/json"}, expect=400)
+        await c.call("post", "/mcp", body=search, headers={**agent, "Mcp-Session-Id": "x" * 32}, expect=404)
+        await c.call("post", "/mcp", body=search, headers={"X-IBEX-Agent-ID": "a"}, expect=401)
+        await c.call("delete", "/mcp", headers=mcp, expect=204)
+        await c.call("delete", "/mcp", headers=mcp, expect=404)
 
     documented = {(method, path) for method, path, _ in operations(c.doc)}
     assert c.succeeded == documented, sorted(documented - c.succeeded)

@@ -46,8 +46,10 @@ from ibex_dataplane.proxy.gates import (
     tenant_status,
 )
 from ibex_dataplane.proxy.health import HealthChecks
+from ibex_dataplane.proxy.mcp import add_mcp_routes
+from ibex_dataplane.proxy.mcp_sessions import McpSessions
 from ibex_dataplane.proxy.memory_routes import add_memory_routes
-from ibex_dataplane.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from ibex_dataplane.proxy.metrics import CONTENT_TYPE, ProxyMetrics, timing_middleware
 from ibex_dataplane.proxy.openapi import openapi_document
 from ibex_dataplane.proxy.policy import PolicyService, decode_policy, encode_policy
 from ibex_dataplane.proxy.ratelimit import RateLimiter
@@ -104,8 +106,10 @@ def create_app(
     ``context_url`` with principals from ``principal_signer``; they default to ``IBEX_MEMORY_URL``,
     ``IBEX_CONTEXT_URL`` and ``IBEX_INTERNAL_SECRET`` (without a secret memory routes answer 503 and context
     assembly degrades)."""
-    app = web.Application(middlewares=[envelope_middleware], client_max_size=settings.max_body_bytes)
     metrics = ProxyMetrics()
+    app = web.Application(
+        middlewares=[timing_middleware(metrics), envelope_middleware], client_max_size=settings.max_body_bytes
+    )
     app[SETTINGS] = settings
     app[STORES] = stores
     app[METRICS] = metrics
@@ -223,13 +227,15 @@ def create_app(
     async def openapi_handler(request: web.Request) -> web.Response:
         return web.json_response(openapi_document())
 
-    add_memory_routes(
+    memory_gates = GatePipeline([*bound, ("rate_limit", request_rate_limit(rate_limiter))], metrics)
+    forwarder = add_memory_routes(
         app,
-        bound=GatePipeline([*bound, ("rate_limit", request_rate_limit(rate_limiter))], metrics),
+        bound=memory_gates,
         memory_url=memory_url or settings.memory_url,
         signer=principal_signer,
         timeout=settings.memory_timeout_seconds,
     )
+    add_mcp_routes(app, bound=memory_gates, forwarder=forwarder, sessions=McpSessions(stores.redis), metrics=metrics)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/me", routes.me)

@@ -1,10 +1,15 @@
 """Prometheus metrics of the proxy, named ``ibex_proxy_<noun>_<unit>``; no tenant ids as labels.
 
-One registry per application (no global state), rendered by ``GET /metrics``.
+One registry per application (no global state), rendered by ``GET /metrics``. :func:`timing_middleware` times every
+request by route template (``/v1/memories/{memory_id}``, ``/mcp``; ``unmatched`` for unknown paths) and status.
 """
 
 from __future__ import annotations
 
+import time
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -47,5 +52,36 @@ class ProxyMetrics:
             ["task"], registry=r,
         )  # fmt: skip
 
+        self.mcp_messages = Counter(
+            "ibex_proxy_mcp_messages_total", "MCP JSON-RPC messages by method and outcome (ok or the JSON-RPC code).",
+            ["method", "outcome"], registry=r,
+        )  # fmt: skip
+        self.mcp_tool_calls = Counter(
+            "ibex_proxy_mcp_tool_calls_total", "MCP tool calls by tool and outcome (ok or the envelope code).",
+            ["tool", "outcome"], registry=r,
+        )  # fmt: skip
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def timing_middleware(metrics: ProxyMetrics) -> Middleware:
+    """Observe ``ibex_proxy_request_duration_seconds`` for every request (outermost: it sees the final status)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            metrics.request_seconds.labels(route, str(status)).observe(time.perf_counter() - started)
+
+    return middleware

@@ -535,6 +535,63 @@ _READINESS = {
     },
 }
 
+_JSONRPC_ID = {"type": ["string", "integer"], "description": "The request's id (absent in a notification)."}
+_JSONRPC_MESSAGE = {
+    "type": "object",
+    "description": "One JSON-RPC 2.0 message of the Model Context Protocol: a request (with `id`), a notification "
+    "(without), or an answer to a request of the server (this server sends none). See docs/mcp.md.",
+    "required": ["jsonrpc"],
+    "properties": {
+        "jsonrpc": {"const": "2.0"},
+        "id": _JSONRPC_ID,
+        "method": {"type": "string"},
+        "params": {"type": "object"},
+        "result": {"type": "object"},
+        "error": {"type": "object"},
+    },
+}
+_JSONRPC_ERROR = {
+    "type": "object",
+    "description": "A JSON-RPC error answer: -32700 parse error, -32600 invalid request (no or unknown session, "
+    "another protocol revision), -32601 no such method, -32602 invalid params, -32603 internal error, -32002 no "
+    "such resource, -32003 refused (`data` holds the error envelope's fields).",
+    "required": ["jsonrpc", "id", "error"],
+    "additionalProperties": False,
+    "properties": {
+        "jsonrpc": {"const": "2.0"},
+        "id": {"type": ["string", "integer", "null"]},
+        "error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "additionalProperties": False,
+            "properties": {"code": {"type": "integer"}, "message": {"type": "string"}, "data": {}},
+        },
+    },
+}
+_JSONRPC_ANSWER = {
+    "type": "object",
+    "description": "The answer to one request: a `result`, or a JSON-RPC `error`.",
+    "required": ["jsonrpc", "id"],
+    "properties": {
+        "jsonrpc": {"const": "2.0"},
+        "id": {"type": ["string", "integer", "null"]},
+        "result": {"type": "object"},
+        "error": _JSONRPC_ERROR["properties"]["error"],  # type: ignore[index]
+    },
+    "oneOf": [{"required": ["result"]}, {"required": ["error"]}],
+}
+_PROTECTED_RESOURCE = {
+    "type": "object",
+    "description": "OAuth 2.0 protected-resource metadata (RFC 9728).",
+    "required": ["resource", "bearer_methods_supported", "scopes_supported"],
+    "properties": {
+        "resource": {"type": "string", "format": "uri"},
+        "resource_name": {"type": "string"},
+        "bearer_methods_supported": {"type": "array", "items": {"const": "header"}},
+        "scopes_supported": {"type": "array", "items": {"type": "string"}},
+    },
+}
+
 SCHEMAS: dict[str, Any] = {
     "Error": _ERROR,
     "FieldError": _FIELD_ERROR,
@@ -567,6 +624,10 @@ SCHEMAS: dict[str, Any] = {
     "SessionClosed": _SESSION_CLOSED,
     "Health": _HEALTH,
     "Readiness": _READINESS,
+    "JsonRpcMessage": _JSONRPC_MESSAGE,
+    "JsonRpcAnswer": _JSONRPC_ANSWER,
+    "JsonRpcError": _JSONRPC_ERROR,
+    "ProtectedResourceMetadata": _PROTECTED_RESOURCE,
 }
 
 # -- examples ------------------------------------------------------------------------------------------------------
@@ -1207,6 +1268,165 @@ def _paths() -> dict[str, Any]:
     }
 
 
+_MCP_SESSION = _header(
+    "Mcp-Session-Id", "The session `initialize` answered with; required on every other message.",
+    schema={"type": "string", "minLength": 16, "maxLength": 128},
+)  # fmt: skip
+_MCP_VERSION = _header(
+    "MCP-Protocol-Version", "When sent, the protocol revision the session negotiated (`2025-11-25` or `2025-06-18`).",
+    schema={"type": "string", "enum": ["2025-11-25", "2025-06-18"]},
+)  # fmt: skip
+_MCP_INITIALIZE = {
+    "jsonrpc": "2.0", "id": 0, "method": "initialize",
+    "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "a-client", "version": "1"}},
+}  # fmt: skip
+_MCP_SEARCH = {
+    "jsonrpc": "2.0", "id": 2, "method": "tools/call",
+    "params": {"name": "search_memory", "arguments": {"query": "How should we contact the customer?", "limit": 5}},
+}  # fmt: skip
+_MCP_INITIALIZED = {
+    "jsonrpc": "2.0", "id": 0,
+    "result": {
+        "protocolVersion": "2025-11-25",
+        "capabilities": {"tools": {"listChanged": False}, "resources": {"subscribe": False, "listChanged": False}},
+        "serverInfo": {"name": "ibex-harness", "title": "IBEX Harness memory", "version": "0.1.0"},
+        "instructions": "Memory of this agent, kept by IBEX Harness. ...",
+    },
+}  # fmt: skip
+_MCP_TOOL_ERROR = {
+    "jsonrpc": "2.0", "id": 2,
+    "result": {
+        "content": [{"type": "text", "text": "INSUFFICIENT_PERMISSIONS: this API key lacks the 'memory:write' scope"}],
+        "structuredContent": {"error": {"code": "INSUFFICIENT_PERMISSIONS", "status": 403, "request_id":
+                              _EXAMPLE_REQUEST, "message": "this API key lacks the 'memory:write' scope"}},
+        "isError": True,
+    },
+}  # fmt: skip
+_MCP_NO_SESSION = {
+    "jsonrpc": "2.0", "id": 1,
+    "error": {"code": -32600, "message": "the Mcp-Session-Id header is required: send initialize first"},
+}  # fmt: skip
+_MCP_UNKNOWN_SESSION = {
+    "jsonrpc": "2.0", "id": 1, "error": {"code": -32600, "message": "unknown or expired MCP session: initialize again"}
+}  # fmt: skip
+_MCP_PROGRESS = {
+    "jsonrpc": "2.0", "method": "notifications/progress",
+    "params": {"progressToken": "p1", "progress": 0, "total": 1, "message": "calling the memory stage"},
+}  # fmt: skip
+
+
+def _mcp_refusals(gate_errors: tuple[int, ...]) -> dict[str, Any]:
+    """The gates' envelope errors, and the transport's JSON-RPC errors at 400 (beside the gates') and 404."""
+    out = _error_responses(gate_errors)
+    envelope = out["400"]["content"][JSON]
+    out["400"] = {
+        "description": "The gates' envelope (`MISSING_AGENT_ID`), or a JSON-RPC error: not JSON, not one JSON-RPC "
+        "message, no `Mcp-Session-Id`, or another protocol revision than the session's.",
+        "headers": _headers(),
+        "content": {
+            JSON: {
+                "schema": {"oneOf": [_ref("Error"), _ref("JsonRpcError")]},
+                "examples": {**envelope["examples"], "no_session": {"value": _MCP_NO_SESSION}},
+            }
+        },
+    }
+    out["404"] = {
+        "description": "A JSON-RPC error: the session is unknown, expired, ended, or another key's or agent's.",
+        "headers": _headers(),
+        "content": _json_content("JsonRpcError", {"unknown_session": _MCP_UNKNOWN_SESSION}),
+    }
+    return out
+
+
+def _mcp_paths() -> dict[str, Any]:
+    gate_errors = (*_MEMORY_ERRORS,)
+    rate_headers = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset")
+    post = _operation(
+        "mcpMessage",
+        "MCP streamable HTTP: one JSON-RPC message per POST",
+        "mcp",
+        {
+            "200": {
+                "description": "The answer to a request: JSON, or (for a `tools/call` with `_meta.progressToken` from "
+                "a client accepting `text/event-stream`) server-sent events: progress notifications, then the answer. "
+                "`initialize` also sets `Mcp-Session-Id`.",
+                "headers": {
+                    **_headers(*rate_headers),
+                    "Mcp-Session-Id": {
+                        "description": "The new session (on `initialize`).",
+                        "schema": {"type": "string"},
+                    },
+                },
+                "content": {
+                    JSON: {
+                        "schema": _ref("JsonRpcAnswer"),
+                        "examples": {
+                            "initialized": {"value": _MCP_INITIALIZED},
+                            "tool_error": {"value": _MCP_TOOL_ERROR},
+                        },
+                    },
+                    SSE: {
+                        "schema": {"type": "string"},
+                        "x-ibex-event-schema": _ref("JsonRpcMessage"),
+                        "example": "event: message\ndata: "
+                        + orjson.dumps(_MCP_PROGRESS).decode()
+                        + "\n\nevent: message\n"
+                        "data: " + orjson.dumps(_MCP_TOOL_ERROR).decode() + "\n\n",
+                    },
+                },
+            },
+            "202": {
+                "description": "A notification (or an answer to the server) was accepted; no body.",
+                "headers": _headers(*rate_headers),
+            },
+        },
+        errors=(),
+        parameters=(_AGENT, _MCP_SESSION, _MCP_VERSION),
+        body=("JsonRpcMessage", {"initialize": _MCP_INITIALIZE, "search": _MCP_SEARCH}),
+        description="The memory routes' gates first (body limit, content type, key, agent binding, org and agent "
+        "status, rate limit; their refusals are the error envelope, a 401 pointing to the protected-resource "
+        "metadata), then the message. Tools: `search_memory`, `write_memory`, `forget_memory`, `list_memories`, "
+        "`record_feedback`, each with the scope of its memory route; their refusals are tool results with "
+        "`isError: true` carrying the envelope code. Resources: `ibex://memories/recent`, `ibex://memories/{id}`. "
+        "Protocol revisions `2025-11-25` and `2025-06-18`. See docs/mcp.md.",
+    )
+    post["responses"].update(_mcp_refusals(gate_errors))
+    delete = _operation(
+        "mcpEndSession",
+        "End an MCP session",
+        "mcp",
+        {"204": {"description": "Ended.", "headers": _headers(*rate_headers)}},
+        parameters=(_AGENT, _MCP_SESSION),
+    )
+    delete["responses"].update(_mcp_refusals(gate_errors))
+    metadata = _operation(
+        "protectedResourceMetadata",
+        "OAuth protected-resource metadata of /mcp (RFC 9728): bearer API keys in the Authorization header",
+        "mcp",
+        {
+            "200": _ok(
+                "The metadata.",
+                "ProtectedResourceMetadata",
+                {
+                    "resource": "http://127.0.0.1:8080/mcp",
+                    "resource_name": "IBEX Harness memory (MCP)",
+                    "bearer_methods_supported": ["header"],
+                    "scopes_supported": ["memory:read", "memory:write", "memory:delete"],
+                },
+            )
+        },
+        secured=False,
+        description="No authorization server: the bearer is an IBEX API key (`ibex_sk_...`).",
+    )
+    return {
+        "/mcp": {"post": post, "delete": delete},
+        "/.well-known/oauth-protected-resource": {"get": metadata},
+        "/.well-known/oauth-protected-resource/mcp": {
+            "get": {**metadata, "operationId": "protectedResourceMetadataMcp"}
+        },
+    }
+
+
 def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
@@ -1220,6 +1440,10 @@ def openapi_document() -> dict[str, Any]:
             {"name": "chat", "description": "Model calls (scope `chat`)."},
             {"name": "memory", "description": "The agent's memories (scopes `memory:read`, `:write`, `:delete`)."},
             {"name": "tenancy", "description": "Who the key is, and what the organization spent."},
+            {
+                "name": "mcp",
+                "description": "The memory tools over the Model Context Protocol (memory scopes per tool).",
+            },
             {"name": "operations", "description": "Health, readiness, metrics and this document (no key)."},
         ],
         "components": {
@@ -1229,5 +1453,5 @@ def openapi_document() -> dict[str, Any]:
             "headers": _HEADERS,
             "schemas": SCHEMAS,
         },
-        "paths": _paths(),
+        "paths": {**_paths(), **_mcp_paths()},
     }

@@ -66,6 +66,10 @@ class TenantKeys:
     def hot_memories(self, agent_id: UUID | str) -> str:
         return self.key("hot", str(agent_id))
 
+    def mcp_session(self, session_id: str) -> str:
+        """An MCP session of the proxy's ``/mcp`` endpoint (who opened it, the negotiated protocol revision)."""
+        return self.key("mcp", session_id)
+
     def pattern(self) -> str:
         """A SCAN pattern matching every key of this org (used by org deletion)."""
         return f"{PREFIX}:{{{self.org_id}}}:*"
