@@ -6,6 +6,7 @@ Subcommands:
 - ``ibex proxy`` / ``ibex memory`` / ``ibex context``: one data-plane stage as its own process.
 - ``ibex eval locomo FILE``: evidence recall of the public memory search on fresh embedded stores.
 - ``ibex migrate``: apply pending Postgres and ClickHouse migrations to the configured stores.
+- ``ibex mcp``: a stdio MCP server that forwards to a proxy's ``/mcp`` (for clients that only launch processes).
 - ``ibex operator``: the kopf operator that reconciles the four custom resources into the stores.
 """
 
@@ -677,6 +678,20 @@ def cmd_eval_locomo(args: argparse.Namespace, settings: Settings) -> int:
                 runtime.stop()
 
 
+def cmd_mcp(args: argparse.Namespace, settings: Settings) -> int:
+    from ibex_dataplane.mcp_bridge import run_bridge
+
+    try:
+        token = Path(args.key_file).read_text().strip()
+    except OSError as e:
+        print(f"ibex mcp: cannot read the key file {args.key_file}: {e.strerror}", file=sys.stderr)
+        return 2
+    if not token:
+        print(f"ibex mcp: the key file {args.key_file} is empty (it must hold the API key alone)", file=sys.stderr)
+        return 2
+    return asyncio.run(run_bridge(args.url, token, args.agent))
+
+
 def _int_list(value: str) -> list[int]:
     try:
         items = [int(v) for v in value.split(",") if v.strip()]
@@ -781,6 +796,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     migrate = _command(sub, "migrate", "apply pending Postgres and ClickHouse migrations")
     migrate.set_defaults(func=cmd_migrate)
+
+    mcp = _command(sub, "mcp", "MCP over stdio for a local client, forwarded to a proxy's /mcp")
+    mcp.add_argument("--url", required=True, help="the proxy's base URL, e.g. http://127.0.0.1:8080")
+    mcp.add_argument("--key-file", required=True, help="file holding the API key alone")
+    mcp.add_argument("--agent", required=True, help="the agent to act as (its id, or its name)")
+    mcp.set_defaults(func=cmd_mcp)
 
     op = _command(sub, "operator", "run the Kubernetes operator (Organization, Agent, Directive, ApiKey)")
     op.add_argument(
