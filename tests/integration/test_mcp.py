@@ -405,7 +405,7 @@ async def test_protocol_errors_have_the_transport_statuses_and_never_500(
         wrong_type = await raw.send(None, raw=b"{}", headers={"Content-Type": "text/plain"})
         assert wrong_type.status == 415 and wrong_type.body["error"]["code"] == "UNSUPPORTED_MEDIA_TYPE"
         get = await raw.send(None, method="GET")
-        assert get.status == 405 and set(get.headers["Allow"].split(", ")) == {"POST", "DELETE"}
+        assert get.status == 405 and {m.strip() for m in get.headers["Allow"].split(",")} == {"POST", "DELETE"}
 
         ended = await raw.send(None, method="DELETE")
         assert ended.status == 204
