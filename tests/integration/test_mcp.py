@@ -4,7 +4,9 @@ text marked as data, tenant isolation through every tool and resource, and no 50
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 import uuid
 from typing import Any
 
@@ -17,10 +19,12 @@ from mcp.shared.exceptions import MCPError
 
 from ibex_dataplane.memory.validation import _SEARCH_FIELDS, _WRITE_FIELDS
 from ibex_dataplane.proxy.mcp_tools import TOOLS
+from ibex_operator.models import ApiKeySpec
+from ibex_operator.reconcile import Reconciler
 from tests.support.mcp import blocks, http_client, raw_mcp
 from tests.support.memory import memory_client
 from tests.support.proxy import RunningProxy
-from tests.support.tenants import Tenant, TenantFactory
+from tests.support.tenants import NAMESPACE, Tenant, TenantFactory
 
 TOOL_NAMES = {"search_memory", "write_memory", "forget_memory", "list_memories", "record_feedback"}
 
@@ -537,3 +541,23 @@ def test_tool_schemas_are_valid_and_name_exactly_the_fields_the_memory_routes_ta
     assert set(TOOLS["list_memories"].input_schema["properties"]) == {"status", "limit", "cursor"}
     assert set(TOOLS["record_feedback"].input_schema["properties"]) == {"id", "useful"}
     assert set(TOOLS) == TOOL_NAMES
+
+
+async def test_a_revoked_key_stops_working_in_the_middle_of_its_session(
+    proxy: RunningProxy, tenants: TenantFactory, reconciler: Reconciler
+) -> None:
+    tenant = await tenants.create(agents=("solo",))
+    suffix = tenant.name.removeprefix("org-")
+    async with raw_mcp(proxy, tenant.keys["solo"], agent(tenant, "solo")) as raw:
+        await raw.initialize()
+        assert (await raw.request("ping")).status == 200
+        spec = ApiKeySpec.model_validate(
+            {"organizationRef": {"name": tenant.name}, "agentRefs": [{"name": f"solo-{suffix}"}],
+             "scopes": ["memory:read"], "secretName": f"solo-key-{suffix}", "revoked": True}
+        )  # fmt: skip
+        await reconciler.api_key(NAMESPACE, f"solo-key-{suffix}", spec, generation=2)
+        revoked_at = time.monotonic()
+        while (reply := await raw.request("ping")).status == 200:  # the invalidation travels by pub/sub
+            assert time.monotonic() - revoked_at < 1.0, "the session outlived its key's revocation"
+            await asyncio.sleep(0.02)
+        assert reply.status == 401 and reply.body["error"]["code"] == "INVALID_TOKEN"
