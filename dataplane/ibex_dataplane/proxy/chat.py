@@ -312,6 +312,8 @@ def _provider_error_response(e: ProviderError, state: GateState) -> web.Response
     headers = dict(state.response_headers)
     if e.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(e.retry_after)))
+    elif e.status == 503:  # the upstream named no time (or none was asked): every 503 says when to come back
+        headers["Retry-After"] = "1"
     if isinstance(e, UpstreamRejected):
         err = e.body.get("error") if isinstance(e.body, dict) else None
         message = err.get("message") if isinstance(err, dict) and isinstance(err.get("message"), str) else e.message
