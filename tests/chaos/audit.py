@@ -31,6 +31,7 @@ class Books:
     held_usd: Decimal = Decimal(0)  # org scope
     agents_spent_usd: Decimal = Decimal(0)  # sum over the agent scopes
     agent_limits: dict[UUID, tuple[Decimal | None, Decimal, Decimal]] = field(default_factory=dict)
+    agent_max_hold_usd: dict[UUID, Decimal] = field(default_factory=dict)  # one request's largest reservation
 
 
 async def books(admin_dsn: str, org: Org) -> Books:
@@ -45,6 +46,11 @@ async def books(admin_dsn: str, org: Org) -> Books:
             b.max_hold_usd = max(b.max_hold_usd, row["biggest"])
             if row["status"] == "held":
                 b.held_open_usd = row["amount"]
+        for row in await conn.fetch(
+            "SELECT agent_id, max(amount_usd) AS biggest FROM budget_holds WHERE org_id = $1 GROUP BY agent_id",
+            org.org_id,
+        ):
+            b.agent_max_hold_usd[row["agent_id"]] = row["biggest"]
         ledger = await conn.fetchrow(
             "SELECT count(*) AS n, count(DISTINCT request_id) AS ids, coalesce(sum(cost_usd), 0) AS total"
             " FROM budget_ledger WHERE org_id = $1", org.org_id,

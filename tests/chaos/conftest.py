@@ -43,6 +43,9 @@ class ChaosLog:
 
 
 CHAOS_LOG = pytest.StashKey[ChaosLog]()
+# Limits far above the load, so that every request runs the rate limiter in Valkey (as real agents' requests do)
+# without ever being limited.
+LIMITS = {"requestsPerMinute": 1_000_000, "tokensPerMinute": 1_000_000_000}
 
 
 def chaos_log(config: pytest.Config) -> ChaosLog:
@@ -74,14 +77,17 @@ class World:
 
     async def orgs(self, n: int = 2, *, cap_usd: str = "0.004") -> list[Org]:
         """Fresh organizations for one fault: agents ``mem`` (memory on), ``cap`` (memory off, a small HardCap
-        budget the load runs into) and ``fast`` (memory off, for the upstream model)."""
+        budget the load runs into) and ``fast`` (memory off, for the upstream model), all rate limited."""
         await self.pool.expire_connections()  # Postgres may have restarted since the last fault
         out = []
         for _ in range(n):
             t = await self.tenants.create(
                 agents=("mem", "cap", "fast"),
-                agent_specs={"mem": {}, "cap": {"memory": {"enabled": False}, "budget": {"monthlyLimitUSD": cap_usd}},
-                             "fast": {"memory": {"enabled": False}}},
+                agent_specs={"mem": {"limits": LIMITS},
+                             "cap": {"limits": LIMITS, "memory": {"enabled": False},
+                                     "budget": {"monthlyLimitUSD": cap_usd}},
+                             "fast": {"limits": LIMITS, "memory": {"enabled": False}}},
+                org_spec={"models": {"default": "echo"}, "limits": LIMITS},
             )  # fmt: skip
             marker = "mk" + token(10)
             self.markers.append(marker)

@@ -61,7 +61,7 @@ from tests.chaos.conftest import World, chaos_log
 from tests.chaos.load import CLIENT_TIMEOUT, RECOVERY_KINDS, Load, Org, Result, outcome_label, wait_for
 from tests.chaos.report import FaultRow
 
-RATE = float(os.environ.get("CHAOS_RATE", "150"))
+RATE = float(os.environ.get("CHAOS_RATE", "60"))  # requests/s; see the module docstring
 STEADY = 2.0  # seconds without a failure that close a recovery
 FLUSH = 0.5  # IBEX_ANALYTICS_FLUSH_SECONDS of the stack
 DOCUMENTED_503 = {"SERVICE_DEGRADED", "IDEMPOTENCY_UNAVAILABLE", "PROVIDER_UNAVAILABLE"}
@@ -98,7 +98,7 @@ class Fault:
     notes: list[str] = field(default_factory=list)
 
 
-async def recovery_point(load: Load, lifted: float, deadline: float) -> float:
+async def recovery_point(load: Load, lifted: float, deadline: float, what: str = "recovery") -> float:
     """The moment from which everything succeeds: after the last failure, every kind on every replica succeeded,
     and nothing failed for ``STEADY`` seconds."""
     while True:
@@ -113,9 +113,9 @@ async def recovery_point(load: Load, lifted: float, deadline: float) -> float:
                 (i, k) for i in range(len(load.urls)) for k in RECOVERY_KINDS if not load.first_success(point, i, k)
             ]
             raise AssertionError(
-                f"not recovered within the bound: last failures (s after lift, kind, replica, outcome) "
+                f"no {what} within the bound: last failures (s after the start, kind, replica, outcome) "
                 f"{[(round(r.t1 - lifted, 2), r.kind, r.replica, outcome_label(r)) for r in late[-8:]]};"
-                f" {len(late)} failures after lift {Counter(outcome_label(r) for r in late)};"
+                f" {len(late)} failures since {Counter(outcome_label(r) for r in late)};"
                 f" no success since for {missing}"
             )
         await asyncio.sleep(0.1)
@@ -126,15 +126,15 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
     stack = world.stack
     load = Load(stack.proxy_urls, orgs, world.markers, rate=RATE, max_seconds=60)
     async with load:
-        # baseline: every kind succeeds everywhere before anything breaks
-        await wait_for(
-            lambda: load.recovered_at(load.started), time.monotonic() + 20,
-            lambda: f"a healthy baseline: {Counter((r.kind, r.replica, outcome_label(r)) for r in load.results)}",
-        )  # fmt: skip
-        await asyncio.sleep(0)
+        # baseline: every kind succeeds everywhere, then nothing fails for STEADY seconds, before anything breaks
+        baseline = await recovery_point(load, load.started, load.started + 30, what="a healthy baseline")
         t_fault = time.monotonic()
         await fault.inject(world, load)
-        await wait_for(lambda: fault.effective(load, t_fault), time.monotonic() + 15, f"{fault.name} to show")
+        await wait_for(
+            lambda: fault.effective(load, t_fault), time.monotonic() + 15,
+            lambda: f"{fault.name} to show: since then {Counter(outcome_label(r) for r in load.since(t_fault))},"
+            f" {sum(load.in_flight.values())} in flight",
+        )  # fmt: skip
         await fault.lift(world)
         lifted = time.monotonic()
         fault.fault_seconds = lifted - t_fault
@@ -152,7 +152,7 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
     row.requests = len(results)
     row.outcomes = Counter(outcome_label(r) for r in results)
     row.leaks = sum(1 for r in results if r.leak)
-    before = [r for r in results if r.t1 < t_fault]
+    before = [r for r in results if r.t1 < t_fault and r.t0 >= baseline]
     during = [r for r in results if r.t1 >= t_fault and r.t0 <= t_fault + fault.fault_seconds + (row.recovery_s or 0)]
     after = [r for r in results if r.t0 > lifted + (row.recovery_s or 0)]
 
@@ -183,10 +183,12 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
         assert b.holds["settled"] <= reached, "more requests billed than reached a provider"
         assert b.ledger_usd == b.spent_usd == b.agents_spent_usd, (b.ledger_usd, b.spent_usd, b.agents_spent_usd)
         assert b.held_usd == b.held_open_usd, (b.held_usd, b.held_open_usd)
-        for limit, spent, held in b.agent_limits.values():
+        for agent, (limit, spent, held) in b.agent_limits.items():
             if limit is not None:
                 overspend = max(overspend, spent - limit)
-                assert spent + held <= limit + b.max_hold_usd, "a HardCap budget went over by more than one hold"
+                one_request = b.agent_max_hold_usd.get(agent, Decimal(0))
+                assert spent <= limit + one_request, f"HardCap {limit} overspent: {spent} (one hold: {one_request})"
+                assert spent + held <= limit + one_request, "a HardCap budget went over by more than one hold"
         capped = [r for r in mine if r.kind == "capped"]
         assert any(r.status == 402 for r in capped), "the capped agent never reached its budget"
 
@@ -213,7 +215,11 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
         if b.holds["held"]:
             fault.notes.append(f"{b.holds['held']} holds left open by the killed process (expire after their TTL)")
     row.overspend_usd = format(overspend.normalize(), "f")
-    row.notes = "; ".join(dict.fromkeys([f"fault lasted {fault.fault_seconds:.1f} s", *fault.notes]))
+    slowest = max((r.t1 - r.t0 for r in during), default=0.0)
+    row.notes = "; ".join(
+        dict.fromkeys([f"fault lasted {fault.fault_seconds:.1f} s", f"slowest answer meanwhile {slowest:.1f} s",
+                       *fault.notes])
+    )  # fmt: skip
 
     # the verdicts
     assert row.leaks == 0, [r for r in results if r.leak][:5]
@@ -320,7 +326,7 @@ async def test_valkey_paused_then_resumed(world: World, row: FaultRow) -> None:
 
     fault = Fault(
         "Valkey paused (SIGSTOP), then resumed (SIGCONT)", 10.0, inject,
-        lambda load, t: load.count(lambda r: r.status == 503, t) >= 20, lift, allowed,
+        lambda load, t: load.count(lambda r: r.status == 503, t) >= 5, lift, allowed,
     )  # fmt: skip
     try:
         await finish(world, fault, row)
@@ -396,7 +402,7 @@ async def test_clickhouse_down(world: World, row: FaultRow) -> None:
         return int(sum(dropped) - sum(before["dropped"]))
 
     fault = Fault(
-        "ClickHouse down (every replica's chdb engine process killed)", 10.0, inject,
+        "ClickHouse down (every replica's chdb engine process killed)", 20.0, inject,
         lambda load, t: len(killed) >= 3, lift, lambda r: False, usage_gap_ok=usage_gap,
         background_recovery=analytics_back,
     )  # fmt: skip
