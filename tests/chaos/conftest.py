@@ -28,7 +28,7 @@ from ibex_operator.repository import TenantConfigRepository
 from ibex_operator.secrets import FileSecretSink
 from tests.chaos.load import Org, token
 from tests.chaos.report import FaultRow, render_report, render_table, report_path
-from tests.chaos.stack import Stack, analytics_dirs, build_stack, start_all, upstream_process
+from tests.chaos.stack import Stack, StageProcess, analytics_dirs, build_stack, start_all, upstream_process
 from tests.support.tenants import TenantFactory
 
 
@@ -46,6 +46,7 @@ CHAOS_LOG = pytest.StashKey[ChaosLog]()
 # Limits far above the load, so that every request runs the rate limiter in Valkey (as real agents' requests do)
 # without ever being limited.
 LIMITS = {"requestsPerMinute": 1_000_000, "tokensPerMinute": 1_000_000_000}
+STARTUP_DEADLINE = 90.0  # seconds for every stage of the stack to print its ready line
 
 
 def chaos_log(config: pytest.Config) -> ChaosLog:
@@ -104,6 +105,7 @@ async def world(request: pytest.FixtureRequest, settings: Settings) -> AsyncIter
     runtime = EmbeddedRuntime(root / "stores")
     await asyncio.to_thread(runtime.start)
     stack: Stack | None = None
+    upstream: StageProcess | None = None
     try:
         info = runtime.info
         folder = migrations_dir(settings)
@@ -115,13 +117,9 @@ async def world(request: pytest.FixtureRequest, settings: Settings) -> AsyncIter
             finally:
                 await clickhouse.close()
         upstream = upstream_process(root)
-        try:
-            upstream_url = (await asyncio.to_thread(upstream.start)).group(1).removesuffix("/v1")
-        except BaseException:
-            await asyncio.to_thread(upstream.stop)
-            raise
+        upstream_url = (await asyncio.to_thread(upstream.start)).group(1).removesuffix("/v1")
         stack = build_stack(root, runtime, secrets.token_hex(32), secrets.token_hex(32), upstream, upstream_url)
-        await start_all(stack)
+        await start_all(stack, timeout=STARTUP_DEADLINE)
         await stack.script(chunk_interval=0.1)  # streams last about 0.6 s: a kill finds some in flight
         pool = await create_pool(info.postgres_admin_dsn, min_size=1, max_size=2, application_name="chaos")
         redis = create_redis(info.redis_url)
@@ -134,7 +132,9 @@ async def world(request: pytest.FixtureRequest, settings: Settings) -> AsyncIter
             await pool.close()
     finally:
         if stack is not None:
-            await asyncio.to_thread(stack.stop)
+            await asyncio.to_thread(stack.stop)  # the upstream with the stages
+        elif upstream is not None:
+            await asyncio.to_thread(upstream.stop)
         await asyncio.to_thread(runtime.stop)
         if os.environ.get("CHAOS_KEEP"):  # keep the stage logs for a post-mortem
             print(f"fault suite files kept in {root}")

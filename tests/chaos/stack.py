@@ -264,13 +264,14 @@ def build_stack(
     return Stack(root, runtime, pepper, secret, proxies, memory, context, urls, upstream, upstream_url, base)
 
 
-async def start_all(stack: Stack, timeout: float = 120) -> None:
-    """Spawn every stage at once (they load in parallel), then wait for each ready line."""
+async def start_all(stack: Stack, timeout: float) -> None:
+    """Spawn every stage at once (they load in parallel), then wait for every ready line within ``timeout``."""
+    deadline = time.monotonic() + timeout
     stages = [s for s in stack.stages if not s.running()]
     for stage in stages:
         stage.spawn()
     for stage in stages:
-        await asyncio.to_thread(stage.wait_ready, timeout)
+        await asyncio.to_thread(stage.wait_ready, max(0.0, deadline - time.monotonic()))
 
 
 def analytics_dirs(root: Path) -> list[str]:

@@ -1,13 +1,19 @@
 """Fault suite (issue 16): real process faults under load, and what must hold through each of them.
 
 Stack: three ``ibex proxy`` processes, one ``ibex memory`` and one ``ibex context`` process, a private embedded
-Postgres (pgvector) and Valkey, one chdb analytics engine per replica, and a fake OpenAI-wire upstream (the only
-fake: the remote model). Everything listens on 127.0.0.1. A bounded open-loop load generator (150 requests/s, at
-most 300 in flight, 10 s client timeout, at most 60 s per fault) sends a fixed mix round-robin over the replicas:
-echo chats of a memory-enabled agent (context assembly on), echo chats of an agent with a small HardCap budget
-that the load exhausts, streaming and non-streaming chats to the upstream model (streams last about 0.6 s), memory
-writes (unique content, an ``Idempotency-Key`` each, retried with the same key until a 2xx) and memory searches,
-alternating between two fresh organizations per fault.
+Postgres (pgvector) and Valkey, one chdb analytics engine per replica, and a fake OpenAI-wire upstream in its own
+process (the only fake: the remote model). Everything listens on 127.0.0.1. Every agent has rate limits (far above
+the load) so every request runs the rate limiter in Valkey.
+
+Load: a bounded open-loop generator (``CHAOS_RATE``, default 60 requests/s; at most 300 in flight, a 10 s client
+timeout, at most 60 s per fault) sends a fixed mix round-robin over the replicas, alternating between two fresh
+organizations per fault: echo chats of a memory-enabled agent (context assembly on), echo chats of agents with
+memory off, one of them with a small HardCap budget the load exhausts, streaming and non-streaming chats to the
+upstream model (streams last about 0.6 s), memory writes (unique content, an ``Idempotency-Key`` each, retried with
+the same key, with backoff, until a 2xx) and memory searches. The rate: on the 2-core reference machine, shared
+with other work, the whole stack (five Python processes, Postgres, the generator) saturates between 100 and 150
+requests/s; past that, overload itself fails requests closed (503 after the 5 s pool wait), so a fault could not
+be told from the load. 60 requests/s leaves headroom; raise ``CHAOS_RATE`` on a bigger machine.
 
 Faults, one test each, injected with real signals on real processes: ``kill -9`` of a proxy replica while streams
 are in flight (``killpg``: its chdb engine dies with it, as a container's processes do), then a new process on the
@@ -22,24 +28,28 @@ Each replica therefore has its own chdb directory, which its ClickHouse facade r
 sum of what each replica's ``GET /v1/usage`` reports. Analytics degrade by design (rows dropped and counted by
 ``ibex_proxy_analytics_dropped_total``), so where a fault loses analytics rows (ClickHouse down; a replica killed
 with rows still buffered) the check is that usage facts never exceed the ledger and that the gap is bounded by
-what was dropped or buffered.
+what was dropped (the counter) or buffered (what the killed replica served in its last flush intervals).
 
-Checked for every fault: the load before the fault succeeds everywhere; while it lasts every answer is one the
-failure posture documents for it (fail closed: 503 ``SERVICE_DEGRADED`` or ``IDEMPOTENCY_UNAVAILABLE`` with
-``Retry-After``; degrade: 200 with ``X-IBEX-Context-Degraded: true``; provider: 504 ``PROVIDER_TIMEOUT`` or 503
-``PROVIDER_UNAVAILABLE``; a killed replica: refused or cut connections, on that replica only); never a 500, never
-an answer later than the client timeout; after the fault is lifted every kind of request succeeds on every
-replica within the stated bound, then for 2 s without a failure; every memory write answered 2xx is stored once,
-with the id it was answered with, and every write eventually lands; every chat served has a budget hold, the
-ledger has one row per settled hold, spend equals the ledger and the usage facts (see above for analytics
-faults), holds left open only where a replica died holding them; no budget ends more than one reservation over
-its limit; no response carries another organization's marker.
+Checked for every fault: before it, every kind succeeds everywhere for 2 s without a failure; while it lasts every
+answer is one the failure posture documents for it (fail closed: 503 ``SERVICE_DEGRADED`` or
+``IDEMPOTENCY_UNAVAILABLE`` with ``Retry-After``; degrade: 200 with ``X-IBEX-Context-Degraded: true``; provider:
+504 ``PROVIDER_TIMEOUT`` or 503 ``PROVIDER_UNAVAILABLE`` with ``Retry-After``; a killed replica: refused or cut
+connections, on that replica only, the survivors fail nothing); never a 500, never an answer later than the
+client timeout; after the fault is lifted every kind of request succeeds on every replica within the stated bound,
+then for 2 s without a failure; every memory write answered 2xx is stored once, with the id it was answered with,
+and every write eventually lands; every chat served has a budget hold, the ledger has one row per settled hold and
+no request twice, spend equals the ledger and the usage facts (see above for analytics faults), holds are left
+open only where a replica died holding them; no HardCap agent ends more than one of its reservations over its
+limit (and none does: the overspend column); no response carries another organization's marker.
 
 Recovery time is measured from the moment the fault is lifted (the replacement process printed its ready line,
-Postgres accepts connections, SIGCONT was sent, the upstream is fast again; for ClickHouse, the kill itself,
-since the proxy brings its engine back on its own) to the moment after which every request kind succeeds on every
-replica. Time budget: about 4 minutes for the module on the 2-core reference machine (about 30 s to start the
-stack, about 30 s per fault); every wait is a polled condition with a deadline.
+Postgres accepts connections, SIGCONT was sent, the upstream is fast again; for ClickHouse, the kill itself, since
+each proxy brings its engine back on its own, and recovery is when every replica writes analytics again) to the
+moment after which every request kind succeeds on every replica.
+
+Time budget: about 2.5 minutes for the module on the reference machine (about 15 s to start the stack, 15 to 25 s
+per fault), enforced by deadlines: 90 s to start the stack, 60 s per fault; every wait inside is a polled condition
+with its own deadline.
 """
 
 from __future__ import annotations
@@ -161,6 +171,7 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
 
     # accounting, once after-response work has settled (holds still 'held' only where a process died)
     overspend = Decimal(0)
+    facts_lost = facts_allowed = holds_open = 0
     for org in orgs:
         open_ok = fault.open_holds_ok(load, t_fault)
 
@@ -204,7 +215,7 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
                 await asyncio.sleep(2 * FLUSH)  # the last buffered rows flush within the interval
                 again = await usage_facts(stack.proxy_urls, org)
                 if again == (n_usage, usd_usage):
-                    fault.notes.append(f"{b.ledger_rows - n_usage} usage facts lost (allowed {gap_ok})")
+                    facts_lost, facts_allowed = facts_lost + b.ledger_rows - n_usage, facts_allowed + gap_ok
                     break
                 continue
             assert time.monotonic() < deadline, (
@@ -212,8 +223,11 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
             )
             await asyncio.sleep(0.3)
         assert usd_usage <= b.ledger_usd
-        if b.holds["held"]:
-            fault.notes.append(f"{b.holds['held']} holds left open by the killed process (expire after their TTL)")
+        holds_open += b.holds["held"]
+    if facts_lost:
+        fault.notes.append(f"{facts_lost} usage facts lost with the analytics rows (bound {facts_allowed})")
+    if holds_open:
+        fault.notes.append(f"{holds_open} holds left open by the killed process (they expire after their TTL)")
     row.overspend_usd = format(overspend.normalize(), "f")
     slowest = max((r.t1 - r.t0 for r in during), default=0.0)
     row.notes = "; ".join(
@@ -244,9 +258,13 @@ def row(request: pytest.FixtureRequest) -> FaultRow:
     return row
 
 
+FAULT_DEADLINE = 60.0  # seconds for one fault test, load, recovery and audit included
+
+
 async def finish(world: World, fault: Fault, row: FaultRow) -> None:
     row.fault, row.bound_s = fault.name, fault.bound
-    await run_fault(world, fault, row)
+    async with asyncio.timeout(FAULT_DEADLINE):
+        await run_fault(world, fault, row)
     row.passed = True
 
 
