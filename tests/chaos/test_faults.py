@@ -215,7 +215,7 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
                 await asyncio.sleep(2 * FLUSH)  # the last buffered rows flush within the interval
                 again = await usage_facts(stack.proxy_urls, org)
                 if again == (n_usage, usd_usage):
-                    facts_lost, facts_allowed = facts_lost + b.ledger_rows - n_usage, facts_allowed + gap_ok
+                    facts_lost, facts_allowed = facts_lost + b.ledger_rows - n_usage, gap_ok  # one bound for all orgs
                     break
                 continue
             assert time.monotonic() < deadline, (
@@ -224,6 +224,7 @@ async def run_fault(world: World, fault: Fault, row: FaultRow) -> None:
             await asyncio.sleep(0.3)
         assert usd_usage <= b.ledger_usd
         holds_open += b.holds["held"]
+    assert facts_lost <= facts_allowed, f"{facts_lost} usage facts lost, more than the {facts_allowed} rows dropped"
     if facts_lost:
         fault.notes.append(f"{facts_lost} usage facts lost with the analytics rows (bound {facts_allowed})")
     if holds_open:
