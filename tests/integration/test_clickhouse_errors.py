@@ -3,6 +3,12 @@ engine is an outage, and neither carries the driver's text into what a client co
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
 import pytest
 
 from ibex_dataplane.runtime.stores import Stores
@@ -30,3 +36,28 @@ async def test_an_unreachable_server_is_an_outage() -> None:
             await unreachable.ping()
     finally:
         await unreachable.close()
+
+
+async def test_a_killed_engine_process_is_an_outage_and_a_new_one_takes_over(tmp_path: Path) -> None:
+    """The embedded engine runs in a child process: when it dies, calls fail as an outage, then the facade
+    starts a new engine on the same data path (before, every later call failed until the process restarted)."""
+    clickhouse = ClickHouse(f"chdb://{tmp_path / 'analytics'}")
+    try:
+        await clickhouse.command("CREATE TABLE kept (n UInt8) ENGINE = MergeTree ORDER BY n")
+        await clickhouse.insert("kept", [[1]], ["n"])
+        (engine,) = clickhouse._executor._processes  # type: ignore[attr-defined]
+        os.kill(engine, signal.SIGKILL)
+        with pytest.raises(StoreUnavailable):
+            await clickhouse.ping()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                rows = await clickhouse.admin_query("SELECT n FROM kept")
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline, "no new engine process took over"
+                await asyncio.sleep(0.1)
+        assert rows == [(1,)]  # the data survived: same path, new process
+        assert engine not in clickhouse._executor._processes  # type: ignore[attr-defined]
+    finally:
+        await clickhouse.close()

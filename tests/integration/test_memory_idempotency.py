@@ -36,7 +36,10 @@ async def count(stores: Stores, t: Tenant, sql: str) -> int:
         return value
 
 
-async def post_direct(stage: RunningStage, t: Tenant, body: Any, key: str) -> tuple[int, dict[str, Any]]:
+async def post_direct(
+    stage: RunningStage, t: Tenant, body: Any, key: str, seen: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
+    """Write straight to the stage; ``seen`` receives the response headers."""
     principal = Principal(
         t.org_id,
         t.agents["alpha"],
@@ -47,6 +50,8 @@ async def post_direct(stage: RunningStage, t: Tenant, body: Any, key: str) -> tu
     )
     headers = {HEADER: stage.signer.sign(principal), "Idempotency-Key": key}
     async with ClientSession() as http, http.post(stage.base_url + "/v1/memories", json=body, headers=headers) as r:
+        if seen is not None:
+            seen.update(r.headers)
         return r.status, await r.json()
 
 
@@ -102,9 +107,11 @@ async def test_an_unreachable_ledger_is_503_and_nothing_is_written(
     settings: Settings, stores: Stores, memory_deps: MemoryDeps, tenants: TenantFactory, dead_db: Database
 ) -> None:
     t = await tenants.create()
+    seen: dict[str, str] = {}
     async with running_memory_stage(settings, stores, memory_deps, ledger=IdempotencyLedger(dead_db)) as stage:
-        status, body = await post_direct(stage, t, {"content": "Never written."}, "k-down")
+        status, body = await post_direct(stage, t, {"content": "Never written."}, "k-down", seen)
     assert (status, body["error"]["code"]) == (503, "IDEMPOTENCY_UNAVAILABLE")
+    assert int(seen["Retry-After"]) >= 1  # every 503 says when to come back
     assert await count(stores, t, "SELECT count(*) FROM memories") == 0
 
 

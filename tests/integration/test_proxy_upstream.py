@@ -99,6 +99,7 @@ async def test_upstream_errors_map_to_the_envelope(gateway: RunningProxy, upstre
             await ai.chat.completions.create(model="up-model", messages=[{"role": "user", "content": "hi"}])
     assert unavailable.value.status_code == 503
     assert unavailable.value.body["code"] == "PROVIDER_UNAVAILABLE"  # type: ignore[index]
+    assert int(unavailable.value.response.headers["Retry-After"]) >= 1  # every 503 says when to come back
 
 
 async def test_a_client_disconnect_mid_stream_cancels_the_upstream_call(

@@ -34,6 +34,7 @@ class TenantFactory:
         agents: tuple[str, ...] = ("alpha", "beta"),
         org_spec: dict[str, Any] | None = None,
         agent_spec: dict[str, Any] | None = None,
+        agent_specs: dict[str, dict[str, Any]] | None = None,
         scopes: tuple[str, ...] = ("chat", "memory:read", "memory:write", "memory:delete", "usage:read"),
         directive: str | None = "You are a test agent.",
     ) -> Tenant:
@@ -49,7 +50,8 @@ class TenantFactory:
         tenant = Tenant(org_name, UUID(org.fields["orgId"]))
         for short in agents:
             name = f"{short}-{suffix}"
-            spec = AgentSpec.model_validate({"organizationRef": {"name": org_name}, **(agent_spec or {})})
+            own = (agent_specs or {}).get(short, agent_spec or {})  # a per-agent spec wins over the shared one
+            spec = AgentSpec.model_validate({"organizationRef": {"name": org_name}, **own})
             out = await self.reconciler.agent(NAMESPACE, name, spec, generation=1)
             assert out.ready, out
             tenant.agents[short] = UUID(out.fields["agentId"])

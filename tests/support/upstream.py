@@ -1,8 +1,9 @@
 """A local upstream speaking the OpenAI Chat Completions wire format (JSON and SSE), for tests and benchmarks.
 
 An aiohttp server on 127.0.0.1 (free port) that answers like OpenAI does, and can be scripted to fail with a
-status N times, hang, go silent mid-stream, drop the connection mid-stream, or omit usage. It records what it
-received and whether the client went away.
+status N times, hang, answer slowly (a delay before the first byte, a pause between stream chunks), go silent
+mid-stream, drop the connection mid-stream, or omit usage. It records what it received and whether the client went
+away.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Script:
     drop_after_chunks: int | None = None
     endless: bool = False
     omit_usage: bool = False
+    delay: float = 0.0  # seconds before the first byte of every answer
+    chunk_interval: float = 0.0  # seconds between stream events
 
 
 @dataclass
@@ -86,6 +89,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await asyncio.sleep(3600)
         finally:
             upstream.disconnected.set()
+    if script.delay:
+        await asyncio.sleep(script.delay)
     if not body.get("stream"):
         answer: dict[str, Any] = {
             "id": "chatcmpl-up",
@@ -126,6 +131,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raw = b"data: " + orjson.dumps(event) + b"\n\n"
             await response.write(raw[:7])
             await response.write(raw[7:])
+            if script.chunk_interval:
+                await asyncio.sleep(script.chunk_interval)
         while script.endless:
             await response.write(b"data: " + orjson.dumps(chunk(body, choices=choice({"content": "."}))) + b"\n\n")
             await asyncio.sleep(0.01)
@@ -139,12 +146,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def set_script(request: web.Request) -> web.Response:
+    """``POST /_script`` with Script fields as JSON: how a test drives the upstream when it runs as a process."""
+    upstream = request.app[UPSTREAM]
+    upstream.script = Script(**await request.json())
+    upstream.bodies.clear()
+    upstream.headers.clear()
+    return web.json_response({"ok": True})
+
+
 @asynccontextmanager
 async def running_upstream() -> AsyncIterator[Upstream]:
     state = Upstream(url="")
     app = web.Application()
     app[UPSTREAM] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/_script", set_script)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -163,7 +180,7 @@ async def _serve_forever() -> None:
         await asyncio.Event().wait()
 
 
-if __name__ == "__main__":  # `python -m tests.support.upstream`: a standalone instant upstream (benchmarks)
+if __name__ == "__main__":  # `python -m tests.support.upstream`: a standalone upstream (benchmarks, fault suite)
     import uvloop
 
     uvloop.run(_serve_forever())

@@ -177,7 +177,7 @@ def create_app(
                 ("rate_limit", rate_limit(services.rate_limiter)),
                 ("validation", validate_request),
                 ("idempotency", idempotency(services.idempotency)),
-                ("budget_hold", budget_hold(budgets, catalog)),
+                ("budget_hold", budget_hold(budgets, catalog, directives)),
                 ("directive_session", directive_and_session(directives)),
                 ("context", context_assembly(context_client)),
             ],

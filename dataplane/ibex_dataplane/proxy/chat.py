@@ -243,12 +243,21 @@ def memory_allowance(agent: AgentPolicy) -> int:
     return agent.memory_context_tokens + MEMORY_FRAMING_ALLOWANCE if agent.memory_enabled else 0
 
 
-def budget_hold(budgets: BudgetService, catalog: ModelCatalog) -> Any:
+def budget_hold(budgets: BudgetService, catalog: ModelCatalog, directives: DirectiveService) -> Any:
     async def gate(state: GateState) -> None:
         plan = _plan(state)
         caller = state.require_caller()
         policy, agent = state.require_agent()
-        prompt = plan.prompt_tokens + memory_allowance(agent)  # the hold covers the memories context may add
+        # The provider is sent the prompt with the agent's directive in it (the next gate injects it, from the same
+        # cache), so the worst case counts it too; and the memories context may add.
+        directive = await directives.active(caller.org_id, agent.id)
+        prompt = plan.prompt_tokens
+        if directive is not None:
+            tools = plan.body.get("tools")
+            sent = inject_directive(plan.body["messages"], directive)
+            prompt = max(prompt, estimate_chat_tokens(sent, plan.model.tokenizer_family,
+                                                      tools if isinstance(tools, list) else None).tokens)  # fmt: skip
+        prompt += memory_allowance(agent)
         amount = catalog.worst_case_cost(plan.model, prompt, plan.max_output)
         budget = BudgetPolicy(
             org_limit_usd=policy.budget_limit,
@@ -312,6 +321,8 @@ def _provider_error_response(e: ProviderError, state: GateState) -> web.Response
     headers = dict(state.response_headers)
     if e.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(e.retry_after)))
+    elif e.status == 503:  # the upstream named no time (or none was asked): every 503 says when to come back
+        headers["Retry-After"] = "1"
     if isinstance(e, UpstreamRejected):
         err = e.body.get("error") if isinstance(e.body, dict) else None
         message = err.get("message") if isinstance(err, dict) and isinstance(err.get("message"), str) else e.message

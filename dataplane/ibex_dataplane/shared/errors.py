@@ -134,6 +134,9 @@ class IdempotencyUnavailable(ServiceError):
     status = 503
     code = "IDEMPOTENCY_UNAVAILABLE"
 
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message, retry_after=retry_after)  # every 503 says when to come back
+
 
 # aiohttp's own HTTP exceptions -> envelope codes.
 HTTP_STATUS_CODES: dict[int, str] = {

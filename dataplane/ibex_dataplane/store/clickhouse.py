@@ -77,15 +77,27 @@ def _close(url: str) -> None:
 
 
 class ClickHouse:
-    """Async facade over a clickhouse-connect client (see the module docstring for where calls run)."""
+    """Async facade over a clickhouse-connect client (see the module docstring for where calls run).
+
+    An embedded engine process that dies (killed, out of memory) fails the calls it had as an outage and is
+    replaced: the next call starts a new engine process on the same data path, so analytics come back by
+    themselves, as they do when a ClickHouse server returns."""
 
     def __init__(self, url: str) -> None:
         self._url = url
-        self._executor: Executor
-        if url.startswith("chdb:"):
-            self._executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        else:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clickhouse")
+        self._executor: Executor = self._new_executor()
+
+    def _new_executor(self) -> Executor:
+        if self._url.startswith("chdb:"):
+            return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="clickhouse")
+
+    def _replace(self, broken: Executor) -> None:
+        """Swap a broken engine process for a fresh one (once, however many calls saw it break)."""
+        if self._executor is broken:
+            log.warning("clickhouse engine process died; starting a new one on the next call")
+            self._executor = self._new_executor()
+            broken.shutdown(wait=False)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` off the loop. Only a failure to reach the server (or the engine's process) is an outage,
@@ -93,9 +105,13 @@ class ClickHouse:
         from clickhouse_connect.driver.exceptions import OperationalError
 
         loop = asyncio.get_running_loop()
+        executor = self._executor
         try:
-            return await loop.run_in_executor(self._executor, fn, self._url, *args)
-        except (OperationalError, OSError, TimeoutError, BrokenExecutor) as e:
+            return await loop.run_in_executor(executor, fn, self._url, *args)
+        except BrokenExecutor as e:
+            self._replace(executor)
+            raise StoreUnavailable("clickhouse", type(e).__name__) from e
+        except (OperationalError, OSError, TimeoutError) as e:
             raise StoreUnavailable("clickhouse", type(e).__name__) from e
         except Exception as e:
             log.error("clickhouse rejected a statement: %s: %s", type(e).__name__, str(e)[:500])

@@ -27,7 +27,15 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.TooManyConnectionsError,
     asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, crash shutdown, cannot connect now
+    # A pooled connection whose protocol state went inconsistent, seen when Postgres restarts under load ("cannot
+    # switch to state 12; another operation is in progress"): that connection is gone for good, the database is not.
+    asyncpg.InternalClientError,
 )
+
+
+def _broken(e: BaseException) -> bool:
+    """An error (or the one a repository wrapped) after which the connection must not go back to the pool."""
+    return isinstance(e, asyncpg.InternalClientError) or isinstance(e.__cause__, asyncpg.InternalClientError)
 
 
 @contextmanager
@@ -98,14 +106,21 @@ class Database:
             conn_cm = self._pool.acquire(timeout=self._acquire_timeout)
             conn = await conn_cm.__aenter__()
         try:
-            with postgres_errors():
-                tx = conn.transaction(readonly=readonly)
-                await tx.start()
-                await conn.execute(_SET_SCOPE, str(org_id), str(agent_id) if agent_id else "")
+            try:
+                with postgres_errors():
+                    tx = conn.transaction(readonly=readonly)
+                    await tx.start()
+                    await conn.execute(_SET_SCOPE, str(org_id), str(agent_id) if agent_id else "")
+            except StoreUnavailable as e:
+                if _broken(e):
+                    conn.terminate()
+                raise
             try:
                 yield conn
-            except BaseException:
-                if not conn.is_closed():
+            except BaseException as e:
+                if _broken(e):
+                    conn.terminate()  # no rollback on a broken protocol: the server ends the transaction with it
+                elif not conn.is_closed():
                     await tx.rollback()
                 raise
             else:
@@ -128,7 +143,11 @@ class Database:
             raise ValueError("call_as statements pass the org as $1 and the agent as $2")
         with postgres_errors():
             async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-                row: asyncpg.Record | None = await conn.fetchrow(sql, org_id, agent_id, *args)
+                try:
+                    row: asyncpg.Record | None = await conn.fetchrow(sql, org_id, agent_id, *args)
+                except asyncpg.InternalClientError:
+                    conn.terminate()  # the pool replaces a closed connection instead of handing this one out
+                    raise
                 return row
 
     @asynccontextmanager
@@ -139,7 +158,12 @@ class Database:
         """
         with postgres_errors():
             async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-                yield conn
+                try:
+                    yield conn
+                except BaseException as e:
+                    if _broken(e):
+                        conn.terminate()
+                    raise
 
     async def ping(self) -> None:
         async with self.unscoped() as conn:
