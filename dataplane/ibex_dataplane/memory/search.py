@@ -382,6 +382,8 @@ class MemorySearch:
                     leg.cancel()
                     with contextlib.suppress(BaseException):
                         await leg
+                elif not leg.cancelled():
+                    leg.exception()  # retrieved: a leg that failed while the other raised is not reported twice
         self._metrics.search_seconds.labels("query").observe(time.perf_counter() - embedded)
         return masked, merge_legs(vector_rows, text_rows)
 

@@ -1,0 +1,64 @@
+"""The two legs of a search when a store fails: the error reaches the caller, and a leg that failed beside it is
+retrieved (no "Task exception was never retrieved" left for the event loop to report)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import uuid
+from types import SimpleNamespace
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from ibex_dataplane.embedding import Embedder
+from ibex_dataplane.memory.metrics import MemoryMetrics
+from ibex_dataplane.memory.models import Tenant
+from ibex_dataplane.memory.refinery import Redactor
+from ibex_dataplane.memory.repository import MemoryRepository
+from ibex_dataplane.memory.search import MemorySearch, SearchTuning
+from ibex_dataplane.memory.validation import SearchQuery
+from ibex_dataplane.store.errors import StoreUnavailable
+
+
+class PlainRedactor:
+    async def redact_async(self, text: str, **_: Any) -> Any:
+        return SimpleNamespace(text=text)
+
+
+class Embeds:
+    async def embed(self, texts: list[str]) -> np.ndarray[Any, Any]:
+        await asyncio.sleep(0)
+        return np.ones((len(texts), 384), dtype=np.float32)
+
+
+class DownRepository:
+    """Postgres away: the text leg fails at once, the vector leg once its vector is there."""
+
+    async def search_text(self, tenant: Tenant, **_: Any) -> list[Any]:
+        raise StoreUnavailable("postgres", "ConnectionRefusedError")
+
+    async def search_vector(self, tenant: Tenant, *, vector: asyncio.Future[Any], **_: Any) -> list[Any]:
+        await vector
+        await asyncio.sleep(0)  # the text leg has failed by now
+        raise StoreUnavailable("postgres", "ConnectionRefusedError")
+
+
+async def test_both_legs_failing_raise_once_and_leave_no_unretrieved_exception() -> None:
+    unretrieved: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    try:
+        search = MemorySearch(
+            cast(MemoryRepository, DownRepository()), cast(Embedder, Embeds()), cast(Redactor, PlainRedactor()),
+            MemoryMetrics(), SearchTuning(),
+        )  # fmt: skip
+        tenant = Tenant(uuid.uuid4(), uuid.uuid4())
+        with pytest.raises(StoreUnavailable):
+            await search.search(tenant, SearchQuery(query="where is the lighthouse"))
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert unretrieved == []
