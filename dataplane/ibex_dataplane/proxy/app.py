@@ -218,7 +218,8 @@ def create_app(
             "postgres": stores.db.ping,
             "redis": lambda: redis_ping(stores.redis),
             "clickhouse": stores.clickhouse.ping,
-        }
+        },
+        degradable=frozenset({"clickhouse"}),  # analytics degrade (rows dropped and counted); nothing is refused
     )
 
     async def metrics_handler(request: web.Request) -> web.Response:

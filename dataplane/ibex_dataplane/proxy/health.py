@@ -1,4 +1,9 @@
-"""Liveness and readiness: ``/healthz`` answers while the process runs; ``/readyz`` checks the critical stores."""
+"""Liveness and readiness: ``/healthz`` answers while the process runs; ``/readyz`` checks the stores.
+
+A store the process fails closed without (Postgres and Redis for the proxy) makes it not ready (503). A store it
+only degrades without (ClickHouse: analytics rows are dropped and counted, no request is refused) is reported in
+the body and under ``degraded``, and the process stays ready: taking every replica out of service for an
+analytics outage would turn a degradation into a full outage."""
 
 from __future__ import annotations
 
@@ -11,8 +16,11 @@ Check = Callable[[], Awaitable[None]]
 
 
 class HealthChecks:
-    def __init__(self, checks: dict[str, Check], *, timeout: float = 2.0) -> None:
+    def __init__(
+        self, checks: dict[str, Check], *, degradable: frozenset[str] = frozenset(), timeout: float = 2.0
+    ) -> None:
         self._checks = checks
+        self._degradable = degradable
         self._timeout = timeout
 
     async def run(self) -> dict[str, str]:
@@ -39,7 +47,9 @@ class HealthChecks:
 
     async def readyz(self, request: web.Request) -> web.Response:
         results = await self.run()
-        ready = all(v == "ok" for v in results.values())
-        return web.json_response(
-            {"status": "ready" if ready else "not ready", "checks": results}, status=200 if ready else 503
-        )
+        ready = all(v == "ok" for name, v in results.items() if name not in self._degradable)
+        degraded = sorted(name for name, v in results.items() if name in self._degradable and v != "ok")
+        body: dict[str, object] = {"status": "ready" if ready else "not ready", "checks": results}
+        if degraded:
+            body["degraded"] = degraded
+        return web.json_response(body, status=200 if ready else 503)

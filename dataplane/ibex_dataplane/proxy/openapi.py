@@ -532,6 +532,12 @@ _READINESS = {
             "description": "`ok`, or `error: <kind>`, per store (postgres, redis, clickhouse).",
             "additionalProperties": {"type": "string"},
         },
+        "degraded": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "Stores that failed their check but only degrade the proxy (clickhouse: analytics rows "
+            "are dropped and counted); the proxy stays ready.",
+        },
     },
 }
 
@@ -1195,14 +1201,31 @@ def _paths() -> dict[str, Any]:
         "/readyz": {
             "get": _operation(
                 "readyz",
-                "Readiness: Postgres, Redis and ClickHouse answer",
+                "Readiness: Postgres and Redis answer (ClickHouse is reported, and only degrades)",
                 "operations",
                 {
-                    "200": _ok(
-                        "Ready.",
-                        "Readiness",
-                        {"status": "ready", "checks": {"postgres": "ok", "redis": "ok", "clickhouse": "ok"}},
-                    ),
+                    "200": {
+                        "description": "Ready; a degradable store that fails its check is listed under `degraded`.",
+                        "headers": _headers(),
+                        "content": _json_content(
+                            "Readiness",
+                            {
+                                "ready": {
+                                    "status": "ready",
+                                    "checks": {"postgres": "ok", "redis": "ok", "clickhouse": "ok"},
+                                },
+                                "analytics_degraded": {
+                                    "status": "ready",
+                                    "checks": {
+                                        "postgres": "ok",
+                                        "redis": "ok",
+                                        "clickhouse": "error: ClickHouseUnavailable",
+                                    },
+                                    "degraded": ["clickhouse"],
+                                },
+                            },
+                        ),
+                    },
                     "503": {
                         "description": "Not ready: the failing checks say which store (this body is not an error "
                         "envelope).",
@@ -1210,12 +1233,12 @@ def _paths() -> dict[str, Any]:
                         "content": _json_content(
                             "Readiness",
                             {
-                                "clickhouse": {
+                                "postgres": {
                                     "status": "not ready",
                                     "checks": {
-                                        "postgres": "ok",
+                                        "postgres": "error: StoreUnavailable",
                                         "redis": "ok",
-                                        "clickhouse": "error: ClickHouseUnavailable",
+                                        "clickhouse": "ok",
                                     },
                                 }
                             },
