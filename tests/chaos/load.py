@@ -119,6 +119,7 @@ class Load:
         self.results: list[Result] = []
         self.writes: list[Write] = []
         self.in_flight: Counter[tuple[int, str]] = Counter()
+        self.streaming: Counter[int] = Counter()  # streams per replica whose first bytes arrived, not ended
         self.started = 0.0
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -258,7 +259,7 @@ class Load:
                 result.retry_after = "Retry-After" in r.headers
                 degraded = r.headers.get("X-IBEX-Context-Degraded")
                 result.degraded = None if degraded is None else degraded == "true"
-                raw = await (self._sse(r, result) if body.get("stream") and r.status == 200 else r.read())
+                raw = await (self._sse(r, result, replica) if body.get("stream") and r.status == 200 else r.read())
             self._classify(result, kind, raw.decode(errors="replace"))
         except aiohttp.ClientConnectorError:
             result.outcome = "refused"
@@ -273,11 +274,19 @@ class Load:
             self.results.append(result)
         return result, raw
 
-    async def _sse(self, r: aiohttp.ClientResponse, result: Result) -> bytes:
+    async def _sse(self, r: aiohttp.ClientResponse, result: Result, replica: int) -> bytes:
         """Read a stream to its end; a stream without ``[DONE]`` was cut, an error event is an error."""
         raw = b""
-        async for line in r.content:
-            raw += line
+        started = False
+        try:
+            async for line in r.content:
+                if not started:
+                    started = True
+                    self.streaming[replica] += 1
+                raw += line
+        finally:
+            if started:
+                self.streaming[replica] -= 1
         if b"data: [DONE]" not in raw:
             raise aiohttp.ClientPayloadError("stream ended without [DONE]")
         for line in raw.split(b"\n"):
@@ -332,6 +341,7 @@ async def wait_for(
 
 
 def outcome_label(r: Result) -> str:
-    if r.status is None:
+    # A stream cut mid-body has its 200 already: the connection's fate is the outcome.
+    if r.status is None or r.outcome in ("refused", "cut", "timeout"):
         return r.outcome
     return f"{r.status}" + (f" {r.code}" if r.code and r.status >= 300 else "")

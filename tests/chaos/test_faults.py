@@ -276,9 +276,10 @@ async def test_kill_9_of_a_replica_mid_stream(world: World, row: FaultRow) -> No
     killed_at: list[float] = []
 
     async def inject(w: World, load: Load) -> None:
-        await wait_for(lambda: load.in_flight[(0, "stream")] >= 2, time.monotonic() + 10, "streams in flight")
+        # Streams whose first chunk has arrived: killed now, they are cut mid-body, not refused before it.
+        await wait_for(lambda: load.streaming[0] >= 2, time.monotonic() + 10, "streams under way")
         killed_at.append(time.monotonic())
-        await asyncio.to_thread(w.stack.proxies[0].kill)
+        w.stack.proxies[0].kill()  # SIGKILL from the loop itself: no await between the check and the signal
 
     async def lift(w: World) -> None:
         await asyncio.to_thread(w.stack.proxies[0].start)
