@@ -23,6 +23,7 @@ from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_operator.reconcile import Reconciler
 from ibex_operator.repository import TenantConfigRepository
 from ibex_operator.secrets import FileSecretSink
+from tests.support.processes import child_processes
 from tests.support.tenants import TenantFactory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -119,19 +120,8 @@ def _live_children() -> list[str]:
             break
         if pid == 0:
             break
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and int(entry.name) != _own_resource_tracker():
-            found.append(f"{entry.name}: {cmdline[:160]}")
-    return found
+    tracker = _own_resource_tracker()
+    return [f"{pid}: {cmdline[:160]}" for pid, cmdline in child_processes(os.getpid()) if pid != tracker]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

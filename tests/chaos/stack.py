@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime, free_port
-from tests.support.processes import IBEX, REPO
+from tests.support.processes import IBEX, REPO, child_processes
 from tests.support.upstream import API_KEY
 
 
@@ -114,18 +114,7 @@ class StageProcess:
 
     def children(self, marker: str) -> list[int]:
         """Pids of this process's children whose command line contains ``marker``."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == self.pid and marker in cmdline:
-                found.append(int(entry.name))
-        return found
+        return [pid for pid, cmdline in child_processes(self.pid) if marker in cmdline]
 
     def tail(self, lines: int = 40) -> str:
         try:

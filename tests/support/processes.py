@@ -57,3 +57,19 @@ def ibex_process(
                 proc.wait()
         running.output.extend(proc.stdout.readlines())
         proc.stdout.close()
+
+
+def child_processes(parent: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose parent is ``parent``, read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            found.append((int(entry.name), cmdline))
+    return found
