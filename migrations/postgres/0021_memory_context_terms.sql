@@ -7,8 +7,9 @@
 -- the words of the turn it answers lifted evidence recall@10 on the LoCoMo development split by about 0.05 (see
 -- bench/results/retrieval.md); the vector leg and the returned content are unchanged.
 --
--- 1. memory_context links a memory to its context: the memory of the same org, agent and session, active or
---    superseded, observed last strictly before it (observed_at, else valid_from, else created_at). The link is
+-- 1. memory_context links a memory to its context (ibex_memory_context_of): the memory of the same org, agent and
+--    session, active or superseded, observed last strictly before it (observed_at, else valid_from, else
+--    created_at). The link is
 --    made when the memory's transaction commits (a deferred constraint trigger), so a batch that inserts its turns
 --    in any order (the persist stage orders inserts by content hash) still links each turn to the one before it.
 --    A turn written in a later transaction than the turn after it does not become that turn's context.
@@ -55,6 +56,23 @@ CREATE FUNCTION ibex_memory_terms_write(p_memory uuid, p_org uuid, p_agent uuid,
          CROSS JOIN LATERAL unnest(m.tsv) AS v;
     $$;
 
+-- The context of a memory: the memory of its session observed last strictly before it (none without a session).
+CREATE FUNCTION ibex_memory_context_of(p_memory uuid) RETURNS uuid
+    LANGUAGE sql STABLE
+    SET search_path = pg_catalog, public, pg_temp
+    AS $$
+        SELECT m.id
+          FROM public.memories own
+          JOIN public.memories m
+            ON m.org_id = own.org_id AND m.agent_id = own.agent_id AND m.session_id = own.session_id
+         WHERE own.id = p_memory
+           AND m.status IN ('active', 'superseded') AND m.id <> own.id
+           AND coalesce(m.observed_at, m.valid_from, m.created_at)
+               < coalesce(own.observed_at, own.valid_from, own.created_at)
+         ORDER BY coalesce(m.observed_at, m.valid_from, m.created_at) DESC, m.id DESC
+         LIMIT 1
+    $$;
+
 CREATE FUNCTION ibex_memory_context_link() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path = pg_catalog, public, pg_temp
@@ -65,18 +83,12 @@ CREATE FUNCTION ibex_memory_context_link() RETURNS trigger
     BEGIN
         -- At commit: the row as it is now (the same transaction may have superseded or forgotten it since).
         SELECT * INTO own FROM public.memories m WHERE m.id = NEW.id;
-        IF NOT FOUND OR own.status <> 'active' OR own.session_id IS NULL OR own.content_tsv IS NULL THEN
+        IF NOT FOUND OR own.status <> 'active' OR own.session_id IS NULL THEN
             RETURN NULL;
         END IF;
         SELECT m.id, m.content_tsv INTO ctx
-          FROM public.memories m
-         WHERE m.org_id = own.org_id AND m.agent_id = own.agent_id AND m.session_id = own.session_id
-           AND m.status IN ('active', 'superseded') AND m.id <> own.id
-           AND coalesce(m.observed_at, m.valid_from, m.created_at)
-               < coalesce(own.observed_at, own.valid_from, own.created_at)
-         ORDER BY coalesce(m.observed_at, m.valid_from, m.created_at) DESC, m.id DESC
-         LIMIT 1;
-        IF NOT FOUND OR ctx.content_tsv IS NULL THEN
+          FROM public.memories m WHERE m.id = public.ibex_memory_context_of(own.id);
+        IF NOT FOUND THEN
             RETURN NULL;
         END IF;
         INSERT INTO public.memory_context (memory_id, context_id, org_id, agent_id)
@@ -124,16 +136,8 @@ WITH linked AS (
     INSERT INTO memory_context (memory_id, context_id, org_id, agent_id)
     SELECT m.id, c.id, m.org_id, m.agent_id
       FROM memories m
-     CROSS JOIN LATERAL (
-        SELECT p.id FROM memories p
-         WHERE p.org_id = m.org_id AND p.agent_id = m.agent_id AND p.session_id = m.session_id
-           AND p.status IN ('active', 'superseded') AND p.id <> m.id AND p.content_tsv IS NOT NULL
-           AND coalesce(p.observed_at, p.valid_from, p.created_at)
-               < coalesce(m.observed_at, m.valid_from, m.created_at)
-         ORDER BY coalesce(p.observed_at, p.valid_from, p.created_at) DESC, p.id DESC
-         LIMIT 1
-     ) c
-     WHERE m.status = 'active' AND m.session_id IS NOT NULL AND m.content_tsv IS NOT NULL
+     CROSS JOIN LATERAL (SELECT ibex_memory_context_of(m.id) AS id) c
+     WHERE m.status = 'active' AND m.session_id IS NOT NULL AND c.id IS NOT NULL
     RETURNING memory_id, context_id
 )
 SELECT ibex_memory_terms_write(m.id, m.org_id, m.agent_id, m.content_tsv, p.content_tsv)

@@ -1,15 +1,24 @@
 """Conversation context in the text leg: a turn is also found by the words of the turn before it in its session.
 
 The link is made when the writing transaction commits, whatever order a batch inserts its items in; forgetting the
-earlier turn takes its words out of the later turn's postings; other sessions and other agents lend nothing.
+earlier turn takes its words out of the later turn's postings; other sessions and other agents lend nothing; the
+migration links the memories written before it.
 """
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
+import asyncpg
+
+from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
+from tests.integration.test_migrations import fresh_database
 from tests.support.memory import memory_client
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import TenantFactory
@@ -85,3 +94,35 @@ async def test_context_stays_within_a_session_and_an_agent_and_is_the_latest_ear
     # "last" was written before "middle" existed, so it took "first"; "middle" then took "first" too.
     assert links == {ids["last"]: ids["first"], ids["middle"]: ids["first"]}
     assert "kumquat" in last_terms and not {"marmalad", "quinc", "jelli"} & last_terms
+
+
+async def test_memories_written_before_the_migration_are_linked_when_it_applies(
+    runtime_info: RuntimeInfo, tmp_path: Path
+) -> None:
+    dsn = await fresh_database(runtime_info)
+    earlier = tmp_path / "postgres"
+    earlier.mkdir()
+    for migration in sorted((default_migrations_dir() / "postgres").glob("*.sql")):
+        if migration.name < "0021":
+            shutil.copy(migration, earlier)
+    await migrate_postgres(dsn, earlier)
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    rows = [("Tim: Which basketball team did you sign with?", 0), ("John: The Minnesota Wolves!", 1)]
+    ids = [uuid.uuid4() for _ in rows]
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("INSERT INTO organizations (id, namespace, name) VALUES ($1, 'ns', 'o')", org)
+        await conn.execute("INSERT INTO agents (id, org_id, namespace, name) VALUES ($1, $2, 'ns', 'a')", agent, org)
+        for memory_id, (content, minute) in zip(ids, rows, strict=True):
+            await conn.execute(
+                "INSERT INTO memories (id, org_id, agent_id, content, content_hash, status, source, session_id,"
+                " observed_at) VALUES ($1, $2, $3, $4, $5, 'active', 'imported', 's1', $6)",
+                memory_id, org, agent, content, uuid.uuid4().bytes, START + timedelta(minutes=minute),
+            )  # fmt: skip
+        await migrate_postgres(dsn, default_migrations_dir() / "postgres")
+        links = {tuple(r) for r in await conn.fetch("SELECT memory_id, context_id FROM memory_context")}
+        reply_terms = {r["lexeme"] for r in await conn.fetch(LEXEMES, str(ids[1]))}
+    finally:
+        await conn.close()
+    assert links == {(ids[1], ids[0])}
+    assert {"basketbal", "team", "sign", "minnesota", "wolv"} <= reply_terms
