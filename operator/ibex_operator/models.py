@@ -112,6 +112,17 @@ class OrganizationSpec(_Model):
     models: ModelPolicy = Field(default_factory=ModelPolicy, description="Model allow and deny lists.")
 
 
+class CaptureMode(enum.StrEnum):
+    OFF = "off"
+    TURNS = "turns"
+    FACTS = "facts"
+
+
+class CaptureRole(enum.StrEnum):
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
 class AgentMemory(_Model):
     """Long-term memory of the agent and how much of the context window it may fill."""
 
@@ -119,6 +130,27 @@ class AgentMemory(_Model):
     context_tokens: int = Field(
         default=2000, ge=0, le=1_000_000, description="Token budget for memories injected into a request."
     )
+    capture: CaptureMode = Field(
+        default=CaptureMode.OFF,
+        description="Memories from the agent's chats: off; turns (each captured message becomes a memory); facts"
+        " (an extraction model turns the recent messages into facts).",
+    )
+    capture_roles: list[CaptureRole] = Field(
+        default_factory=lambda: [CaptureRole.USER],
+        min_length=1,
+        max_length=2,
+        description="Which messages of a turn are captured: the client's user messages, the model's answer, or both.",
+    )
+    extraction_model: ModelName | None = Field(
+        default=None, description="Model that extracts facts (capture: facts); unset: the agent's default model."
+    )
+
+    @field_validator("capture_roles")
+    @classmethod
+    def _unique_roles(cls, v: list[CaptureRole]) -> list[CaptureRole]:
+        if len(set(v)) != len(v):
+            raise ValueError("roles must be unique")
+        return v
 
 
 class AgentSpec(_Model):

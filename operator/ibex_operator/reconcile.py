@@ -112,6 +112,9 @@ class Reconciler:
                 budget_limit=spec.budget.limit if spec.budget else None,
                 memory_enabled=spec.memory.enabled,
                 memory_context_tokens=spec.memory.context_tokens,
+                memory_capture=spec.memory.capture.value,
+                memory_capture_roles=[r.value for r in spec.memory.capture_roles],
+                memory_extraction_model=spec.memory.extraction_model,
                 generation=generation,
             )
         except StoreUnavailable as e:

@@ -156,18 +156,24 @@ class TenantConfigRepository:
         budget_limit: Decimal | None,
         memory_enabled: bool,
         memory_context_tokens: int,
+        memory_capture: str,
+        memory_capture_roles: list[str],
+        memory_extraction_model: str | None,
         generation: int,
     ) -> UUID:
         row = await self._fetchrow(
             """
             INSERT INTO agents AS a (id, org_id, namespace, name, display_name, suspended, default_model,
-                rpm_limit, tpm_limit, budget_limit_usd, memory_enabled, memory_context_tokens, generation)
-            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+                rpm_limit, tpm_limit, budget_limit_usd, memory_enabled, memory_context_tokens, generation,
+                memory_capture, memory_capture_roles, memory_extraction_model)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
             ON CONFLICT (namespace, name) DO UPDATE SET
                 display_name = EXCLUDED.display_name, suspended = EXCLUDED.suspended,
                 default_model = EXCLUDED.default_model, rpm_limit = EXCLUDED.rpm_limit,
                 tpm_limit = EXCLUDED.tpm_limit, budget_limit_usd = EXCLUDED.budget_limit_usd,
                 memory_enabled = EXCLUDED.memory_enabled, memory_context_tokens = EXCLUDED.memory_context_tokens,
+                memory_capture = EXCLUDED.memory_capture, memory_capture_roles = EXCLUDED.memory_capture_roles,
+                memory_extraction_model = EXCLUDED.memory_extraction_model,
                 generation = EXCLUDED.generation, updated_at = now()
             WHERE a.org_id = EXCLUDED.org_id
             RETURNING id
@@ -185,6 +191,9 @@ class TenantConfigRepository:
             memory_enabled,
             memory_context_tokens,
             generation,
+            memory_capture,
+            memory_capture_roles,
+            memory_extraction_model,
         )
         if row is None:
             raise ValueError("agent belongs to another organization")

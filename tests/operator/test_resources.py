@@ -114,7 +114,12 @@ async def test_each_kind_becomes_ready_and_reaches_the_stores(
 
     org_id, agent_id = UUID(o["status"]["orgId"]), UUID(a["status"]["agentId"])
     assert a["status"]["orgId"] == str(org_id)
-    assert a["spec"]["memory"] == {"enabled": True, "contextTokens": 2000}  # defaults from the CRD schema
+    assert a["spec"]["memory"] == {  # defaults from the CRD schema
+        "enabled": True,
+        "contextTokens": 2000,
+        "capture": "off",
+        "captureRoles": ["user"],
+    }
     assert stores.admin_pool is not None
     async with stores.admin_pool.acquire() as conn:
         org_row = await conn.fetchrow("SELECT * FROM organizations WHERE namespace = $1 AND name = $2", ns, "acme")

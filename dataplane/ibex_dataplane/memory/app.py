@@ -1,7 +1,8 @@
 """Build the memory stage's aiohttp application from settings, open stores, the embedder and the PII redactor.
 
-Wires the repository, hot cache, outbox worker, refinery stages, search, idempotency ledger and handlers, and owns
-their lifecycle (the outbox worker and after-answer work start and stop with the app). Nothing else happens here.
+Wires the repository, hot cache, outbox and capture workers, refinery stages, search, idempotency ledger and
+handlers, and owns their lifecycle (the workers and after-answer work start and stop with the app). Nothing else
+happens here.
 The stage listens on localhost only and trusts nothing but a valid internal principal signed with ``secret``.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Set as AbstractSet
 from aiohttp import web
 
 from ibex_dataplane.embedding import Embedder
+from ibex_dataplane.memory.capture import CaptureWorker
 from ibex_dataplane.memory.classifier import ConflictClassifier, DeterministicClassifier
 from ibex_dataplane.memory.handlers import MemoryHandlers, timed
 from ibex_dataplane.memory.hotcache import HotCache
@@ -46,6 +48,7 @@ from ibex_dataplane.store.redis import ping as redis_ping
 SERVICE = web.AppKey("memory_service", MemoryService)
 METRICS = web.AppKey("memory_metrics", MemoryMetrics)
 OUTBOX = web.AppKey("memory_outbox", OutboxWorker)
+CAPTURE = web.AppKey("memory_capture", CaptureWorker)
 
 # Leaves the request body limit to the proxy's gate; a batch of 100 maximal items plus JSON overhead fits.
 _MAX_BODY = 4 * 1024 * 1024
@@ -61,6 +64,8 @@ def create_memory_app(
     classifier: ConflictClassifier | None = None,
     disallowed_pii_types: AbstractSet[str] = frozenset(),
     outbox_poll_seconds: float = 1.0,
+    capture_poll_seconds: float = 1.0,
+    capture_workers: bool = True,
     ledger: IdempotencyLedger | None = None,
 ) -> web.Application:
     metrics = MemoryMetrics()
@@ -114,12 +119,17 @@ def create_memory_app(
     app[SERVICE] = service
     app[METRICS] = metrics
     app[OUTBOX] = outbox
+    capture = CaptureWorker(repo, service.write, ledger, metrics, poll_seconds=capture_poll_seconds)
+    app[CAPTURE] = capture
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         outbox.start()
+        if capture_workers:
+            capture.start()
         try:
             yield
         finally:
+            await capture.stop()
             await outbox.stop()
             await background.drain()
 

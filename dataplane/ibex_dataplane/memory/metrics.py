@@ -5,7 +5,7 @@ One registry per application (no global state), rendered by the stage's ``GET /m
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _SLOW = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -57,6 +57,28 @@ class MemoryMetrics:
             "ibex_memory_principal_rejections_total", "Calls refused for a missing, forged or expired principal.",
             ["reason"], registry=r,
         )  # fmt: skip
+
+        self.capture_jobs = Counter(
+            "ibex_memory_capture_jobs_total",
+            "Capture jobs handled by the worker: captured, replayed (already done), retry, failed.", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.capture_messages = Counter(
+            "ibex_memory_capture_messages_total",
+            "Captured messages by refinery result: created, deduplicated, quarantined, rejected.", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.capture_lag = Histogram(
+            "ibex_memory_capture_lag_seconds", "From the chat answer to its captured memories being stored.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0), registry=r,
+        )  # fmt: skip
+        self.capture_queue = Gauge(
+            "ibex_memory_capture_queue_jobs", "Capture jobs in the queue, by state (waiting, failed).", ["state"],
+            registry=r,
+        )  # fmt: skip
+        self.capture_oldest = Gauge(
+            "ibex_memory_capture_oldest_job_age_seconds", "Age of the oldest waiting capture job.", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

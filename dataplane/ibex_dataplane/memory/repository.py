@@ -1,6 +1,8 @@
-"""Every SQL statement of the memory stage: memories, their labels and relationships, and the memory outbox rows.
+"""Every SQL statement of the memory stage: memories, their labels and relationships, the memory outbox rows and
+the capture queue.
 
-Called by the refinery (write path), the search, the service (reads, forget, feedback) and the outbox worker.
+Called by the refinery (write path), the search, the service (reads, forget, feedback), the outbox worker and the
+capture worker.
 Methods that are part of a larger transaction take the connection of a :meth:`Database.tenant` transaction; the
 others open their own. Every statement names the org and the agent explicitly on top of row-level security
 (architecture section 3), and reads that feed retrieval are validity-fenced (section 9.3).
@@ -114,6 +116,7 @@ SELECT {_COLUMNS} FROM memories m
  WHERE m.org_id = $1 AND m.agent_id = $2 AND m.status = $4
    AND ($4 <> 'active' OR {_FENCE})
    AND ($5::timestamptz IS NULL OR (m.created_at, m.id) < ($5, $6::uuid))
+   AND ($8::text IS NULL OR m.source = $8)
  ORDER BY m.created_at DESC, m.id DESC
  LIMIT $7
 """
@@ -398,7 +401,7 @@ class MemoryRepository:
         async with self.transaction(tenant, readonly=True) as conn:
             rows = await conn.fetch(
                 _LIST, tenant.org_id, tenant.agent_id, None, query.status.value, cursor_at, cursor_id,
-                query.limit + 1,
+                query.limit + 1, query.source.value if query.source else None,
             )  # fmt: skip
         return [memory_of(r) for r in rows]
 
@@ -546,6 +549,70 @@ class MemoryRepository:
             with postgres_errors():
                 removed: int = await conn.fetchval(
                     "SELECT ibex_memory_housekeeping($1::interval, $2)", timedelta(seconds=outbox_age), limit
+                )
+        return removed
+
+    # -- the capture queue (memories from conversations) -----------------------------------------------------------
+
+    async def lease_capture(self, limit: int, lease: float) -> list[dict[str, Any]]:
+        """Lease due capture jobs of every org (ids and owners only, through the SECURITY DEFINER lease), then read
+        each job inside its own org's and agent's row-level-security scope."""
+        async with self._db.unscoped() as conn:
+            with postgres_errors():
+                leased: list[asyncpg.Record] = await conn.fetch(
+                    "SELECT * FROM ibex_capture_lease_ids($1, $2::interval)", limit, timedelta(seconds=lease)
+                )
+        jobs: list[dict[str, Any]] = []
+        for row in leased:
+            async with self._db.tenant(row["org_id"], row["agent_id"], readonly=True) as conn:
+                job = await conn.fetchrow(
+                    "SELECT id, org_id, agent_id, session_id, turn, request_id, mode, model, messages, observed_at,"
+                    " created_at, attempts FROM capture_jobs WHERE org_id = $1 AND agent_id = $2 AND id = $3"
+                    " AND failed_at IS NULL",
+                    row["org_id"], row["agent_id"], row["id"],
+                )  # fmt: skip
+            if job is not None:
+                jobs.append(dict(job))
+        return jobs
+
+    async def capture_done(self, tenant: Tenant, job_id: int) -> None:
+        """A processed job goes, and its text with it."""
+        async with self._db.tenant(tenant.org_id, tenant.agent_id) as conn:
+            await conn.execute(
+                "DELETE FROM capture_jobs WHERE org_id = $1 AND agent_id = $2 AND id = $3",
+                tenant.org_id, tenant.agent_id, job_id,
+            )  # fmt: skip
+
+    async def capture_retry(self, tenant: Tenant, job_id: int, *, error: str, delay: float) -> None:
+        async with self._db.tenant(tenant.org_id, tenant.agent_id) as conn:
+            await conn.execute(
+                "UPDATE capture_jobs SET available_at = now() + $4::interval, last_error = $5"
+                " WHERE org_id = $1 AND agent_id = $2 AND id = $3",
+                tenant.org_id, tenant.agent_id, job_id, timedelta(seconds=delay), error,
+            )  # fmt: skip
+
+    async def capture_failed(self, tenant: Tenant, job_id: int, *, error: str) -> None:
+        """A job that can never succeed keeps its metadata and error (visible) but loses its text."""
+        async with self._db.tenant(tenant.org_id, tenant.agent_id) as conn:
+            await conn.execute(
+                "UPDATE capture_jobs SET messages = NULL, failed_at = now(), last_error = $4"
+                " WHERE org_id = $1 AND agent_id = $2 AND id = $3",
+                tenant.org_id, tenant.agent_id, job_id, error,
+            )  # fmt: skip
+
+    async def capture_backlog(self) -> tuple[int, int, float]:
+        """Waiting jobs, failed jobs and the age in seconds of the oldest waiting one, across tenants (counts)."""
+        async with self._db.unscoped() as conn:
+            with postgres_errors():
+                row = await conn.fetchrow("SELECT * FROM ibex_capture_backlog()")
+        assert row is not None
+        return int(row["waiting"]), int(row["failed"]), float(row["oldest_seconds"])
+
+    async def capture_housekeeping(self, *, failed_age: float, limit: int = 1000) -> int:
+        async with self._db.unscoped() as conn:
+            with postgres_errors():
+                removed: int = await conn.fetchval(
+                    "SELECT ibex_capture_housekeeping($1::interval, $2)", timedelta(seconds=failed_age), limit
                 )
         return removed
 

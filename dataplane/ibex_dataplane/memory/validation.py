@@ -287,6 +287,7 @@ class ListQuery:
     status: MemoryStatus = MemoryStatus.ACTIVE
     limit: int = DEFAULT_LIST_LIMIT
     cursor: ListCursor | None = None
+    source: MemorySource | None = None  # only memories of this source (e.g. extracted: captured from chats)
 
 
 _LISTABLE = (MemoryStatus.ACTIVE, MemoryStatus.SUPERSEDED, MemoryStatus.QUARANTINED)  # quarantined: for review
@@ -294,8 +295,15 @@ _LISTABLE = (MemoryStatus.ACTIVE, MemoryStatus.SUPERSEDED, MemoryStatus.QUARANTI
 
 def parse_list(params: Mapping[str, str]) -> ListQuery:
     errors = _Errors()
-    for unknown in sorted(set(params) - {"status", "limit", "cursor"}):
+    for unknown in sorted(set(params) - {"status", "limit", "cursor", "source"}):
         errors.add(unknown, "is not a known query parameter")
+    source = None
+    raw_source = params.get("source")
+    if raw_source is not None:
+        if raw_source not in {s.value for s in MemorySource}:
+            errors.add("source", "must be one of " + ", ".join(s.value for s in MemorySource))
+        else:
+            source = MemorySource(raw_source)
     status = MemoryStatus.ACTIVE
     raw_status = params.get("status")
     if raw_status:
@@ -319,7 +327,7 @@ def parse_list(params: Mapping[str, str]) -> ListQuery:
         except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
             errors.add("cursor", "is not a cursor this API returned")
     errors.raise_if_any()
-    return ListQuery(status=status, limit=limit, cursor=cursor)
+    return ListQuery(status=status, limit=limit, cursor=cursor, source=source)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 TRACE_COLUMNS = (
     "org_id", "agent_id", "request_id", "ts", "key_id", "session_id", "route", "model", "provider", "stream",
     "status_code", "error_code", "prompt_tokens", "completion_tokens", "cost_usd", "latency_ms", "upstream_ms",
-    "stage_ms", "memories_injected", "context_tokens", "context_degraded", "degradations",
+    "stage_ms", "memories_injected", "context_tokens", "context_degraded", "degradations", "captured",
 )  # fmt: skip
 USAGE_COLUMNS = ("org_id", "agent_id", "request_id", "ts", "model", "prompt_tokens", "completion_tokens", "cost_usd")
 
@@ -58,6 +58,7 @@ class Trace:
     context_tokens: int = 0
     context_degraded: bool = False
     degradations: tuple[str, ...] = ()
+    captured: bool = False  # the turn was queued for capture into memory
     priced: bool = False  # a provider answered with usage: also write a usage fact
 
     def trace_row(self) -> list[Any]:
@@ -66,6 +67,7 @@ class Trace:
             self.model, self.provider, int(self.stream), self.status_code, self.error_code, self.prompt_tokens,
             self.completion_tokens, self.cost_usd, self.latency_ms, self.upstream_ms, self.stage_ms,
             self.memories_injected, self.context_tokens, int(self.context_degraded), list(self.degradations),
+            int(self.captured),
         ]  # fmt: skip
 
     def usage_row(self) -> list[Any]:

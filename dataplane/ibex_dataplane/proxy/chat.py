@@ -30,6 +30,7 @@ from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.providers.tokens import estimate_chat_tokens, estimate_text_tokens
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder, Trace
 from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetHold, BudgetPolicy, BudgetService, Enforcement
+from ibex_dataplane.proxy.capture import answer_text, capture_of, observed_at_of, streamed_answer_text
 from ibex_dataplane.proxy.context import SKIP_HEADER, ContextClient, ContextOutcome
 from ibex_dataplane.proxy.directives import DirectiveService
 from ibex_dataplane.proxy.gates import GatePipeline, GateState, session_id_of
@@ -70,6 +71,8 @@ class ChatPlan:
     directive_version: int | None = None
     directive: DirectiveRow | None = None
     client_messages: list[dict[str, Any]] = field(default_factory=list)  # as sent, before any injection
+    observed_at: datetime | None = None  # X-IBEX-Observed-At: when the turn happened (capture)
+    captured: bool = False  # the turn was handed to the capture queue with its checkpoint
     context: ContextOutcome = field(default_factory=ContextOutcome)
     rate_window: int | None = None
     rate_admitted: bool = False  # the rate limiter charged charged_tokens for this request
@@ -278,6 +281,7 @@ def directive_and_session(directives: DirectiveService) -> Any:
         caller = state.require_caller()
         _, agent = state.require_agent()
         plan.session_id = session_id_of(state.request)
+        plan.observed_at = observed_at_of(state.request)
         state.response_headers["X-IBEX-Session-ID"] = plan.session_id
         directive = await directives.active(caller.org_id, agent.id)
         plan.client_messages = plan.body["messages"]
@@ -436,7 +440,7 @@ class ChatHandler:
                 context_tokens=plan.context.context_tokens if plan else 0,
                 context_degraded=bool(plan and plan.context.degraded),
                 degradations=tuple(plan.context.reasons) if plan else (),
-                priced=usage is not None,
+                captured=bool(plan and plan.captured), priced=usage is not None,
             )
         )  # fmt: skip
 
@@ -456,7 +460,8 @@ class ChatHandler:
         plan.upstream_ms = (time.perf_counter() - started) * 1000
         self._s.metrics.provider_calls.labels(answer.provider, "ok").inc()
         self._s.metrics.provider_seconds.labels(answer.provider).observe(plan.upstream_ms / 1000)
-        self._after(state, plan, answer.usage, answer.model, content_digest(answer.body.get("choices")))
+        choices = answer.body.get("choices")
+        self._after(state, plan, answer.usage, answer.model, content_digest(choices), answer_text(choices))
         return web.Response(body=orjson.dumps(answer.body), content_type="application/json",
                             headers=state.response_headers)  # fmt: skip
 
@@ -466,6 +471,7 @@ class ChatHandler:
         response: web.StreamResponse | None = None
         digest = hashlib.sha256()
         forwarded: list[bytes] = []  # chunks already sent: what a stream cut short is billed from
+        upstream_failed = False  # the provider failed after the stream began: the answer is not whole
         started = time.perf_counter()
 
         def served() -> Usage | None:
@@ -489,6 +495,7 @@ class ChatHandler:
                         elif isinstance(event, StreamDone):
                             usage, served_by, plan.provider = event.usage, event.model, event.provider
                 except ProviderError as e:
+                    upstream_failed = True
                     self._s.metrics.provider_calls.labels(plan.model.provider, e.code).inc()
                     error = {"error": {"code": e.code, "message": e.message, "request_id": state.request_id}}
                     await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
@@ -509,7 +516,8 @@ class ChatHandler:
             raise
         plan.upstream_ms = (time.perf_counter() - started) * 1000
         self._s.metrics.provider_calls.labels(plan.model.provider, "ok").inc()
-        self._after(state, plan, served(), served_by, digest.hexdigest())
+        answer = "" if upstream_failed else streamed_answer_text(forwarded)
+        self._after(state, plan, served(), served_by, digest.hexdigest(), answer)
         assert response is not None
         return response
 
@@ -527,9 +535,16 @@ class ChatHandler:
 
     # -- after the answer ----------------------------------------------------------------------------------------
     def _after(
-        self, state: GateState, plan: ChatPlan, usage: Usage | None, served_by: str, completion: str | None = None
+        self,
+        state: GateState,
+        plan: ChatPlan,
+        usage: Usage | None,
+        served_by: str,
+        completion: str | None = None,
+        answer: str = "",
     ) -> None:
-        """Settle or release the hold, correct the TPM charge, checkpoint the session; never blocks the answer."""
+        """Settle or release the hold, correct the TPM charge, checkpoint the session and queue its capture (only
+        for a complete answer); never blocks the answer."""
         caller = state.require_caller()
         _, agent = state.require_agent()
         s = self._s
@@ -554,6 +569,8 @@ class ChatHandler:
                 s.rate_limiter.adjust_tokens(caller.org_id, agent.id, plan.limits, delta, window=plan.rate_window),
             )
         if usage is not None:
+            capture = capture_of(agent, plan.client_messages, answer, plan.observed_at) if completion else None
+            plan.captured = capture is not None
             s.background.spawn(
                 "checkpoint",
                 s.sessions.record_turn(
@@ -561,7 +578,7 @@ class ChatHandler:
                     message_digests=[content_digest(m) for m in plan.body.get("messages", [])],
                     completion_digest=completion, prompt_tokens=usage.prompt_tokens,
                     completion_tokens=usage.completion_tokens,
-                    latency_ms=(time.perf_counter() - state.started) * 1000,
+                    latency_ms=(time.perf_counter() - state.started) * 1000, capture=capture,
                 ),
             )  # fmt: skip
 

@@ -740,6 +740,12 @@ _SESSION = _header(
     "X-IBEX-Session-ID", "The conversation this turn belongs to; one is generated (and echoed) when absent.",
     schema=_SESSION_ID,
 )  # fmt: skip
+_OBSERVED_AT = _header(
+    "X-IBEX-Observed-At", "When this turn happened (RFC 3339 with a time zone, not in the future), for clients that "
+    "replay or import conversations; captured memories take it as their `observed_at` and `valid_from`. Default: "
+    "the time of the answer.",
+    schema={"type": "string", "format": "date-time"},
+)  # fmt: skip
 _IDEMPOTENCY = _header(
     "Idempotency-Key", "Same key and body replay the stored answer (`X-Idempotency-Replayed: true`); the same key "
     "with another body is 409 `IDEMPOTENCY_CONFLICT`. `X-Idempotency-Key` is accepted too.",
@@ -885,7 +891,7 @@ def _paths() -> dict[str, Any]:
                 "chat",
                 {"200": chat_ok},
                 errors=(*_BOUND_ERRORS, 402, 404, 409, 422, 429, 502, 504),
-                parameters=(_AGENT, _SESSION, _IDEMPOTENCY, _SKIP_MEMORY),
+                parameters=(_AGENT, _SESSION, _IDEMPOTENCY, _SKIP_MEMORY, _OBSERVED_AT),
                 body=(
                     "ChatCompletionRequest",
                     {"hello": _CHAT_EXAMPLE_REQUEST, "stream": {**_CHAT_EXAMPLE_REQUEST, "stream": True}},
@@ -977,6 +983,13 @@ def _paths() -> dict[str, Any]:
                         "required": False,
                         "description": "The `next_cursor` of the previous page.",
                         "schema": {"type": "string"},
+                    },
+                    {
+                        "name": "source",
+                        "in": "query",
+                        "required": False,
+                        "description": "Only memories of this source; `extracted`: captured from the agent's chats.",
+                        "schema": {"type": "string", "enum": ["user_provided", "extracted", "imported"]},
                     },
                 ),
                 description="Other query parameters are refused (400).",

@@ -71,10 +71,12 @@ class PolicySnapshot(OrgRow):
         def money(v: str | None) -> Decimal | None:
             return None if v is None else Decimal(v)
 
-        agents = {
-            UUID(a["id"]): AgentPolicy(**{**a, "id": UUID(a["id"]), "budget_limit": money(a["budget_limit"])})
-            for a in d["agents"]
-        }
+        def agent(a: dict[str, Any]) -> AgentPolicy:
+            roles = tuple(a.get("memory_capture_roles", ("user",)))
+            return AgentPolicy(**{**a, "id": UUID(a["id"]), "budget_limit": money(a["budget_limit"]),
+                                  "memory_capture_roles": roles})  # fmt: skip
+
+        agents = {UUID(a["id"]): agent(a) for a in d["agents"]}
         org = {f.name: d[f.name] for f in fields(OrgRow)}
         org.update(id=UUID(d["id"]), budget_limit=money(d["budget_limit"]), allow=tuple(d["allow"]),
                    deny=tuple(d["deny"]))  # fmt: skip

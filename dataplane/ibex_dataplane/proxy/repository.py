@@ -63,6 +63,9 @@ class AgentPolicy:
     budget_limit: Decimal | None
     memory_enabled: bool
     memory_context_tokens: int
+    memory_capture: str = "off"  # off | turns | facts
+    memory_capture_roles: tuple[str, ...] = ("user",)
+    memory_extraction_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ class ProxyRepository:
             )
             agents = await conn.fetch(
                 "SELECT id, name, suspended, default_model, rpm_limit, tpm_limit, budget_limit_usd, memory_enabled,"
-                " memory_context_tokens FROM agents WHERE org_id = $1",
+                " memory_context_tokens, memory_capture, memory_capture_roles, memory_extraction_model"
+                " FROM agents WHERE org_id = $1",
                 org_id,
             )
         if org is None:
@@ -141,6 +145,9 @@ class ProxyRepository:
                 a["budget_limit_usd"],
                 a["memory_enabled"],
                 a["memory_context_tokens"],
+                a["memory_capture"],
+                tuple(a["memory_capture_roles"]),
+                a["memory_extraction_model"],
             )
             for a in agents
         ]

@@ -1,6 +1,7 @@
 """Sessions: the client's X-IBEX-Session-ID mapped to a row, one checkpoint per turn, never message text.
 
-Checkpoints keep SHA-256 digests of each message and of the completion, token counts and latency. Writing them
+Checkpoints keep SHA-256 digests of each message and of the completion, token counts and latency (the text of a
+captured turn goes to the capture queue, deleted once processed, never to the checkpoint). Writing them
 is after-response work that degrades (a failure is counted, the answer is unaffected). Idle sessions are closed
 by :meth:`SessionService.sweep_idle`, which the proxy runs periodically.
 """
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from uuid import UUID
 
+from ibex_dataplane.proxy.capture import CAPTURE_TTL, CaptureRequest
 from ibex_dataplane.store.postgres import Database
 
 
@@ -30,16 +32,20 @@ class SessionService:
         prompt_tokens: int,
         completion_tokens: int,
         latency_ms: float,
+        capture: CaptureRequest | None = None,
     ) -> int:
         """Append a checkpoint (reopening a closed session of the same id); returns the turn number.
 
-        One round trip (``ibex_session_turn_as``): it runs after every answer.
+        One round trip (``ibex_session_turn_capture_as``): it runs after every answer. With ``capture``, the same
+        statement queues the turn's capture job, so a checkpointed turn is never missing from the queue.
         """
         row = await self._db.call_as(
             org_id, agent_id,
-            "SELECT ibex_session_turn_as($1, $2, $3, $4, $5, $6, $7, $8, $9) AS turn",
+            "SELECT ibex_session_turn_capture_as($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::jsonb, $13, $14)"
+            " AS turn",
             external_id, request_id, list(message_digests), completion_digest, prompt_tokens, completion_tokens,
-            latency_ms,
+            latency_ms, capture.mode if capture else None, capture.model if capture else None,
+            capture.payload() if capture else None, capture.observed_at if capture else None, CAPTURE_TTL,
         )  # fmt: skip
         assert row is not None
         turn: int = row["turn"]

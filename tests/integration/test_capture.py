@@ -1,0 +1,298 @@
+"""Memories from conversations (spec.memory.capture): what a chat turn leaves in memory, for whom, and when not.
+
+Through the real proxy, context stage and memory stage (whose capture worker drains the queue), with the ``echo``
+model, which answers with the messages it was sent: so a later session's answer shows the memory context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from uuid import UUID
+
+import orjson
+import pytest
+from aiohttp import ClientSession
+
+from ibex_dataplane.memory.app import SERVICE
+from ibex_dataplane.memory.capture import CaptureWorker, chunks
+from ibex_dataplane.memory.metrics import MemoryMetrics
+from ibex_dataplane.memory.repository import MemoryRepository
+from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.shared.idempotency import IdempotencyLedger
+from tests.support.proxy import RunningProxy
+from tests.support.tenants import Tenant, TenantFactory
+
+CAPTURE_TURNS = {"memory": {"capture": "turns"}}
+FACT = "My sister Zorbadine moved to Tallinn last spring and teaches cello there."
+
+
+def headers(t: Tenant, agent: str, session: str, **extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {t.keys[agent]}", "X-IBEX-Agent-ID": str(t.agents[agent]),
+            "X-IBEX-Session-ID": session, **extra}  # fmt: skip
+
+
+async def chat(http: ClientSession, proxy: RunningProxy, h: dict[str, str], *messages: dict[str, Any],
+               stream: bool = False) -> tuple[int, str, dict[str, str]]:  # fmt: skip
+    body: dict[str, Any] = {"model": "echo", "messages": list(messages)}
+    if stream:
+        body["stream"] = True
+    async with http.post(proxy.v1 + "/chat/completions", json=body, headers=h) as r:
+        text = await r.text()
+        return r.status, text, dict(r.headers)
+
+
+async def extracted(http: ClientSession, proxy: RunningProxy, t: Tenant, agent: str) -> list[dict[str, Any]]:
+    h = headers(t, agent, "listing")
+    async with http.get(proxy.v1 + "/memories", params={"source": "extracted", "limit": "100"}, headers=h) as r:
+        assert r.status == 200, await r.text()
+        data: list[dict[str, Any]] = (await r.json())["data"]
+        return data
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
+    """Wait for a condition the capture worker makes true (it polls the queue once a second)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def jobs_of(stores: Stores, org_id: UUID) -> list[dict[str, Any]]:
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        return [dict(r) for r in await conn.fetch("SELECT * FROM capture_jobs WHERE org_id = $1", org_id)]
+
+
+async def test_a_fact_said_in_one_session_is_in_the_context_of_a_later_session_and_nowhere_else(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(agent_spec=CAPTURE_TURNS, directive=None)
+    other_org = await tenants.create(agent_spec=CAPTURE_TURNS, directive=None)
+    async with ClientSession() as http:
+        status, _, h = await chat(http, proxy, headers(t, "alpha", "monday"), {"role": "user", "content": FACT})
+        assert status == 200
+        assert h["X-IBEX-Session-ID"] == "monday"
+
+        async def stored() -> bool:
+            return len(await extracted(http, proxy, t, "alpha")) == 1
+
+        await until(stored, "the captured turn")
+        [memory] = await extracted(http, proxy, t, "alpha")
+        assert memory["content"] == FACT
+        assert memory["source"] == "extracted"
+        assert memory["session_id"] == "monday"
+        assert memory["metadata"]["capture"] == {"session_id": "monday", "turn": 1, "role": "user", "message": 0,
+                                                 "part": 0}  # fmt: skip
+        assert memory["observed_at"] is not None and memory["valid_from"] == memory["observed_at"]
+
+        async def dequeued() -> bool:
+            return await jobs_of(stores, t.org_id) == []
+
+        await until(dequeued, "the processed job to leave the queue with its text")
+
+        question = {"role": "user", "content": "Where does my sister Zorbadine live now?"}
+        status, body, h = await chat(http, proxy, headers(t, "alpha", "friday"), question)
+        assert status == 200
+        assert int(h["X-IBEX-Memories-Injected"]) >= 1
+        assert "Tallinn" in orjson.loads(body)["choices"][0]["message"]["content"]
+
+        # Another agent of the same org and an agent of another org: nothing of it, in memory or in context.
+        for tenant, agent in ((t, "beta"), (other_org, "alpha")):
+            status, body, _ = await chat(http, proxy, headers(tenant, agent, "friday"), question)
+            assert status == 200
+            assert "Tallinn" not in body
+            assert all("Tallinn" not in m["content"] for m in await extracted(http, proxy, tenant, agent))
+
+
+async def test_only_the_turns_own_messages_are_captured_and_the_answer_only_when_asked(
+    proxy: RunningProxy, tenants: TenantFactory
+) -> None:
+    t = await tenants.create(
+        agent_specs={"alpha": CAPTURE_TURNS, "beta": {"memory": {"capture": "turns",
+                                                                 "captureRoles": ["user", "assistant"]}}},
+        directive="You are a test agent.",
+    )  # fmt: skip
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "An earlier question about ferns."},
+        {"role": "assistant", "content": "An earlier answer about ferns."},
+        {"role": "user", "content": [{"type": "text", "text": "I keep three axolotls named Pim, Pam and Pom."},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+    ]  # fmt: skip
+    async with ClientSession() as http:
+        for agent in ("alpha", "beta"):
+            status, _, _ = await chat(http, proxy, headers(t, agent, "pets"), *history, stream=agent == "beta")
+            assert status == 200
+
+        async def both() -> bool:
+            return bool(await extracted(http, proxy, t, "alpha")) and len(await extracted(http, proxy, t, "beta")) == 2
+
+        await until(both, "both agents' captured turns")
+        [user_only] = await extracted(http, proxy, t, "alpha")
+        assert user_only["content"] == "I keep three axolotls named Pim, Pam and Pom."
+        with_answer = {m["metadata"]["capture"]["role"]: m["content"] for m in await extracted(http, proxy, t, "beta")}
+        assert with_answer["user"] == "I keep three axolotls named Pim, Pam and Pom."
+        # The answer of echo is what it was sent: the streamed answer was captured whole.
+        assert "axolotls" in with_answer["assistant"] and "You are a test agent." in with_answer["assistant"]
+        for m in [user_only, *await extracted(http, proxy, t, "beta")]:
+            assert "ferns" not in m["content"] or m["metadata"]["capture"]["role"] == "assistant"
+            assert "Be brief" not in m["content"] or m["metadata"]["capture"]["role"] == "assistant"
+
+
+async def test_captured_pii_is_redacted_or_quarantined_exactly_as_a_direct_write(
+    proxy: RunningProxy, tenants: TenantFactory
+) -> None:
+    t = await tenants.create(agents=("alpha", "beta"), agent_spec=CAPTURE_TURNS, directive=None)
+    texts = ["Write to me at jules.verne@example.org about the trip.", "Call me back on 212 555 0187 tomorrow."]
+    async with ClientSession() as http:
+        for i, text in enumerate(texts):
+            status, _, _ = await chat(http, proxy, headers(t, "alpha", f"pii-{i}"), {"role": "user", "content": text})
+            assert status == 200
+            async with http.post(proxy.v1 + "/memories", json={"content": text},
+                                 headers=headers(t, "beta", "direct")) as r:  # fmt: skip
+                assert r.status in (201, 202), await r.text()
+        h = headers(t, "alpha", "listing")
+
+        async def captured() -> bool:
+            async with http.get(proxy.v1 + "/memories", params={"status": "quarantined"}, headers=h) as r:
+                quarantined = (await r.json())["data"]
+            return len(await extracted(http, proxy, t, "alpha")) + len(quarantined) == len(texts)
+
+        await until(captured, "the captured turns")
+
+        async def by_status(agent: str) -> dict[str, list[str]]:
+            out: dict[str, list[str]] = {}
+            for status in ("active", "quarantined"):
+                async with http.get(proxy.v1 + "/memories", params={"status": status},
+                                    headers=headers(t, agent, "listing")) as r:  # fmt: skip
+                    out[status] = sorted(str(m["content"]) for m in (await r.json())["data"])
+            return out
+
+        via_chat, direct = await by_status("alpha"), await by_status("beta")
+        assert via_chat == direct
+        assert any("[EMAIL_ADDRESS]" in c for c in via_chat["active"])
+        assert all("jules.verne@example.org" not in c for cs in via_chat.values() for c in cs)
+
+
+async def test_capture_off_queues_nothing_and_a_failed_answer_is_not_captured(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    off = await tenants.create(directive=None)
+    on = await tenants.create(agent_spec=CAPTURE_TURNS, directive=None)
+    async with ClientSession() as http:
+        status, _, _ = await chat(http, proxy, headers(off, "alpha", "s"), {"role": "user", "content": FACT})
+        assert status == 200
+        # An invalid request never reaches the model: nothing to capture.
+        bad = {"role": "user", "content": FACT, "name": 12}
+        status, _, _ = await chat(http, proxy, headers(on, "alpha", "s"), bad)
+        assert status == 400
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        checkpoints = await conn.fetchval("SELECT count(*) FROM session_checkpoints WHERE org_id = $1", off.org_id)
+        queued = await conn.fetchval("SELECT count(*) FROM capture_jobs WHERE org_id = ANY($1::uuid[])",
+                                     [off.org_id, on.org_id])  # fmt: skip
+        memories = await conn.fetchval("SELECT count(*) FROM memories WHERE org_id = ANY($1::uuid[])",
+                                       [off.org_id, on.org_id])  # fmt: skip
+    assert checkpoints == 1  # the turn itself was checkpointed (the same statement would have queued it)
+    assert (queued, memories) == (0, 0)
+
+
+@pytest.mark.parametrize("value", ["yesterday", "2026-13-01T00:00:00Z", "2023-05-08T13:56:00", "2999-01-01T00:00:00Z"])
+async def test_a_malformed_observed_at_header_is_a_400_in_the_envelope(
+    proxy: RunningProxy, tenants: TenantFactory, value: str
+) -> None:
+    t = await tenants.create(agents=("alpha",), agent_spec=CAPTURE_TURNS, directive=None)
+    async with ClientSession() as http:
+        status, body, _ = await chat(http, proxy, headers(t, "alpha", "s", **{"X-IBEX-Observed-At": value}),
+                                     {"role": "user", "content": FACT})  # fmt: skip
+    assert status == 400
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "INVALID_REQUEST" and error["request_id"]
+    assert error["field_errors"][0]["field"] == "header X-IBEX-Observed-At"
+
+
+async def test_observed_at_dates_a_replayed_turn(proxy: RunningProxy, tenants: TenantFactory) -> None:
+    t = await tenants.create(agents=("alpha",), agent_spec=CAPTURE_TURNS, directive=None)
+    h = headers(t, "alpha", "replay", **{"X-IBEX-Observed-At": "2023-05-08T13:56:00+02:00"})
+    async with ClientSession() as http:
+        assert (await chat(http, proxy, h, {"role": "user", "content": FACT}))[0] == 200
+
+        async def stored() -> bool:
+            return bool(await extracted(http, proxy, t, "alpha"))
+
+        await until(stored, "the captured turn")
+        [memory] = await extracted(http, proxy, t, "alpha")
+    assert memory["valid_from"].startswith("2023-05-08T11:56:00")
+
+
+def test_long_messages_are_captured_in_pieces_within_the_content_limit() -> None:
+    text = " ".join(f"word{i}" for i in range(5000))
+    pieces = chunks(text, limit=10_000)
+    assert len(pieces) > 1 and all(len(p.encode()) <= 10_000 for p in pieces)
+    assert " ".join(pieces) == text
+    assert chunks("é" * 6000, limit=10_000) == ["é" * 5000, "é" * 1000]  # no cut through a character
+
+
+class _DiesBeforeDeleting(MemoryRepository):
+    """A worker's store access that dies once right after a job's memories were stored, before the job is deleted
+    (the process is killed there). It leases only this test's org's jobs, so the memory stage's own worker, which
+    shares the database, never races it; everything else is the real repository."""
+
+    def __init__(self, stores: Stores, org_id: UUID) -> None:
+        super().__init__(stores.db)
+        self._admin = stores.admin_pool
+        self._org = org_id
+        self.died = False
+
+    async def lease_capture(self, limit: int, lease: float) -> list[dict[str, Any]]:
+        assert self._admin is not None
+        async with self._admin.acquire() as conn:
+            rows = await conn.fetch(
+                "UPDATE capture_jobs SET attempts = attempts + 1 WHERE org_id = $1 AND failed_at IS NULL"
+                " RETURNING id, org_id, agent_id, session_id, turn, request_id, mode, model, messages, observed_at,"
+                " created_at, attempts",
+                self._org,
+            )
+        return [dict(r) for r in rows]
+
+    async def capture_done(self, tenant: Any, job_id: int) -> None:
+        if not self.died:
+            self.died = True
+            raise OSError("killed")
+        await super().capture_done(tenant, job_id)
+
+
+async def test_a_job_redelivered_after_its_memories_were_stored_replays_instead_of_writing_twice(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(agents=("alpha",), agent_spec=CAPTURE_TURNS, directive=None)
+    assert stores.admin_pool is not None and proxy.memory is not None
+    service = proxy.memory.app[SERVICE]
+    repo = _DiesBeforeDeleting(stores, t.org_id)
+    metrics = MemoryMetrics()
+    worker = CaptureWorker(repo, service.write, IdempotencyLedger(stores.db), metrics)
+    # Queued as the proxy queues a turn, but not due for the memory stage's own worker for an hour.
+    async with stores.admin_pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO capture_jobs (org_id, agent_id, session_id, turn, request_id, mode, messages, available_at)"
+            " VALUES ($1, $2, 'crash', 1, 'req-crash', 'turns', $3::jsonb, now() + interval '1 hour')",
+            t.org_id, t.agents["alpha"], orjson.dumps([{"role": "user", "content": FACT}]).decode(),
+        )  # fmt: skip
+
+    async def memories() -> int:
+        async with stores.admin_pool.acquire() as conn:  # type: ignore[union-attr]
+            n: int = await conn.fetchval("SELECT count(*) FROM memories WHERE org_id = $1", t.org_id)
+            return n
+
+    assert await worker.run_once() == 1  # stores the memory, then dies before deleting the job
+    assert repo.died and await memories() == 1
+    [job] = await jobs_of(stores, t.org_id)
+    assert job["messages"] is not None  # still queued: nothing was lost
+    assert await worker.run_once() == 1  # redelivered
+    assert await memories() == 1  # replayed from the ledger, not written twice
+    assert await jobs_of(stores, t.org_id) == []
+    assert metrics.capture_jobs.labels("replayed")._value.get() == 1
