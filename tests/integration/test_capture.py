@@ -87,7 +87,7 @@ async def test_a_fact_said_in_one_session_is_in_the_context_of_a_later_session_a
         assert memory["session_id"] == "monday"
         assert memory["metadata"]["capture"] == {"session_id": "monday", "turn": 1, "role": "user", "message": 0,
                                                  "part": 0}  # fmt: skip
-        assert memory["observed_at"] is not None and memory["valid_from"] == memory["observed_at"]
+        assert memory["observed_at"] is not None and memory["valid_from"] is None  # a remark, not a validity claim
 
         async def dequeued() -> bool:
             return await jobs_of(stores, t.org_id) == []
@@ -191,13 +191,18 @@ async def test_capture_off_queues_nothing_and_a_failed_answer_is_not_captured(
         status, _, _ = await chat(http, proxy, headers(on, "alpha", "s"), bad)
         assert status == 400
     assert stores.admin_pool is not None
+
+    async def checkpointed() -> bool:  # after-answer work: the statement that would also have queued the turn
+        async with stores.admin_pool.acquire() as conn:  # type: ignore[union-attr]
+            n = await conn.fetchval("SELECT count(*) FROM session_checkpoints WHERE org_id = $1", off.org_id)
+        return bool(n == 1)
+
+    await until(checkpointed, "the turn's checkpoint")
     async with stores.admin_pool.acquire() as conn:
-        checkpoints = await conn.fetchval("SELECT count(*) FROM session_checkpoints WHERE org_id = $1", off.org_id)
         queued = await conn.fetchval("SELECT count(*) FROM capture_jobs WHERE org_id = ANY($1::uuid[])",
                                      [off.org_id, on.org_id])  # fmt: skip
         memories = await conn.fetchval("SELECT count(*) FROM memories WHERE org_id = ANY($1::uuid[])",
                                        [off.org_id, on.org_id])  # fmt: skip
-    assert checkpoints == 1  # the turn itself was checkpointed (the same statement would have queued it)
     assert (queued, memories) == (0, 0)
 
 
@@ -226,7 +231,7 @@ async def test_observed_at_dates_a_replayed_turn(proxy: RunningProxy, tenants: T
 
         await until(stored, "the captured turn")
         [memory] = await extracted(http, proxy, t, "alpha")
-    assert memory["valid_from"].startswith("2023-05-08T11:56:00")
+    assert memory["observed_at"].startswith("2023-05-08T11:56:00")
 
 
 def test_long_messages_are_captured_in_pieces_within_the_content_limit() -> None:

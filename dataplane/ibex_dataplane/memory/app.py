@@ -65,7 +65,6 @@ def create_memory_app(
     disallowed_pii_types: AbstractSet[str] = frozenset(),
     outbox_poll_seconds: float = 1.0,
     capture_poll_seconds: float = 1.0,
-    capture_workers: bool = True,
     ledger: IdempotencyLedger | None = None,
 ) -> web.Application:
     metrics = MemoryMetrics()
@@ -124,7 +123,7 @@ def create_memory_app(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         outbox.start()
-        if capture_workers:
+        if settings.memory_capture_worker:
             capture.start()
         try:
             yield

@@ -4,8 +4,10 @@ The proxy queues a chat turn's captured messages in ``capture_jobs`` in the same
 checkpoint. This worker leases due jobs (``FOR UPDATE SKIP LOCKED`` across tenants, ids only), reads each inside
 its own tenant's scope and runs it through the whole refinery like a client write (validation, PII redaction or
 quarantine, exact and near dedup, embedding, supersession), with provenance: ``source: extracted``, the session
-id, ``observed_at`` and ``valid_from`` from when the turn happened, and ``metadata.capture`` naming the session,
-turn and role. A processed job is deleted with its text.
+id, ``observed_at`` from when the turn happened, and ``metadata.capture`` naming the session, turn and role. A
+captured turn is a record of what was said and when (searches that name a period match ``observed_at``), not a
+claim about how long something holds: it carries no ``valid_from``, so the interval rule never makes one remark
+supersede an earlier, similar one. A processed job is deleted with its text.
 
 Delivery is at least once (a worker killed mid-job leaves the job leased; the lease runs out and another worker
 takes it), and harmless when repeated: each job claims the deterministic idempotency key
@@ -74,7 +76,6 @@ def candidates(job: dict[str, Any]) -> list[dict[str, Any]]:
                 "source": "extracted",
                 "session_id": job["session_id"],
                 "observed_at": observed.isoformat(),
-                "valid_from": observed.isoformat(),
                 "metadata": {"capture": {"session_id": job["session_id"], "turn": job["turn"],
                                          "role": message.get("role"), "message": index, "part": part}},
             })  # fmt: skip

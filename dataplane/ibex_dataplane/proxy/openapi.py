@@ -742,8 +742,8 @@ _SESSION = _header(
 )  # fmt: skip
 _OBSERVED_AT = _header(
     "X-IBEX-Observed-At", "When this turn happened (RFC 3339 with a time zone, not in the future), for clients that "
-    "replay or import conversations; captured memories take it as their `observed_at` and `valid_from`. Default: "
-    "the time of the answer.",
+    "replay or import conversations; captured memories take it as their `observed_at`. Default: the time of the "
+    "answer.",
     schema={"type": "string", "format": "date-time"},
 )  # fmt: skip
 _IDEMPOTENCY = _header(
