@@ -22,6 +22,7 @@ import secrets
 import signal
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -601,6 +602,12 @@ def cmd_operator(args: argparse.Namespace, settings: Settings) -> int:
     return operator_main(options, settings)
 
 
+CAPTURE_DRAINED_SQL = (
+    "SELECT (SELECT count(*) FROM session_checkpoints WHERE org_id = $1) >= $2"
+    " AND NOT EXISTS (SELECT 1 FROM capture_jobs WHERE org_id = $1)"
+)
+
+
 async def _eval_locomo(args: argparse.Namespace, settings: Settings, runtime: EmbeddedRuntime) -> int:
     from ibex_dataplane.evaluation.dataset import load_locomo
     from ibex_dataplane.evaluation.locomo import Agent, default_progress, evaluate, render_table
@@ -617,17 +624,21 @@ async def _eval_locomo(args: argparse.Namespace, settings: Settings, runtime: Em
         sink = FileSecretSink(runtime.data_dir / "secrets.json")
         reconciler = Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), sink, pepper)
 
+        capture = args.capture == "turns"
+
         async def provision(name: str) -> Agent:
             """A fresh organization, one agent and a memory key for it, through the real reconcile code."""
             slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")[:40] or "conversation"
-            org = await reconciler.organization("eval", slug, OrganizationSpec(), generation=1)
-            agent_spec = AgentSpec.model_validate({"organizationRef": {"name": slug}})
+            org_spec = OrganizationSpec.model_validate({"models": {"default": "echo"}} if capture else {})
+            org = await reconciler.organization("eval", slug, org_spec, generation=1)
+            memory = {"memory": {"capture": "turns"}} if capture else {}
+            agent_spec = AgentSpec.model_validate({"organizationRef": {"name": slug}, **memory})
             agent = await reconciler.agent("eval", f"{slug}-agent", agent_spec, generation=1)
             key_spec = ApiKeySpec.model_validate(
                 {
                     "organizationRef": {"name": slug},
                     "agentRefs": [{"name": f"{slug}-agent"}],
-                    "scopes": ["memory:read", "memory:write"],
+                    "scopes": ["chat", "memory:read", "memory:write"] if capture else ["memory:read", "memory:write"],
                     "secretName": f"{slug}-key",
                 }
             )
@@ -635,12 +646,22 @@ async def _eval_locomo(args: argparse.Namespace, settings: Settings, runtime: Em
             token = await sink.read("eval", f"{slug}-key")
             if not (org.ready and agent.ready and key.ready and token):
                 raise EmbeddedStoreError(f"cannot provision an agent for {name}: {org.reason} {agent.reason}")
-            return Agent(agent.fields["agentId"], token)
+            org_id = uuid.UUID(org.fields["orgId"])
+
+            async def drained(turns: int) -> bool:
+                """Every chat turn was checkpointed (with it, its capture job queued: after the answer) and nothing
+                of this org is left in the capture queue (processed jobs are deleted)."""
+                assert stores.admin_pool is not None
+                async with stores.admin_pool.acquire() as conn:
+                    done: bool = await conn.fetchval(CAPTURE_DRAINED_SQL, org_id, turns)
+                    return done
+
+            return Agent(agent.fields["agentId"], token, drained if capture else None)
 
         async with _data_plane(settings, stores, pepper, "127.0.0.1", 0) as base_url:
             report = await evaluate(
                 conversations, base_url, provision, ks=args.k, categories=args.categories,
-                progress=default_progress(),
+                progress=default_progress(), capture=capture,
             )  # fmt: skip
     finally:
         await stores.close()
@@ -792,6 +813,11 @@ def build_parser() -> argparse.ArgumentParser:
     locomo.add_argument("--k", type=_int_list, default=[1, 5, 10, 20], help="cut-offs (default: 1,5,10,20; max 50)")
     locomo.add_argument("--categories", type=_int_list, default=[1, 2, 3, 4], help="question categories (1,2,3,4)")
     locomo.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    locomo.add_argument(
+        "--capture", choices=["off", "turns"], default="off",
+        help="off: write turns through /v1/memories:batch; turns: replay them as chats of an agent with"
+        " memory.capture: turns and let the capture worker write them",
+    )  # fmt: skip
     locomo.set_defaults(func=cmd_eval_locomo)
 
     migrate = _command(sub, "migrate", "apply pending Postgres and ClickHouse migrations")

@@ -7,6 +7,14 @@ through ``POST /v1/memories/search``, with the agent's API key, over HTTP. There
 figures are what a client gets. A deduplicated write answers with the memory that already holds the content, so
 one memory can stand for several turns; it then counts for all of them.
 
+With ``capture``, the agent has ``memory.capture: turns`` and each conversation is replayed instead through
+``POST /v1/chat/completions`` (the ``echo`` model, one chat session per LoCoMo session, ``X-IBEX-Observed-At``
+from the session's date, ``X-IBEX-Skip-Memory`` since no answer is read): the memory stage's capture worker
+writes the memories. Once the agent's capture queue is drained, its captured memories are listed through
+``GET /v1/memories?source=extracted`` and mapped back to turns by their ``metadata.capture`` session and turn. A
+turn whose capture was an exact duplicate of an earlier memory is not mapped (the route does not say which
+memory absorbed it).
+
 Evidence recall@k of a question: the share of its evidence turns among the turns of the first k results;
 averaged over questions, overall and by category. Search latency is the client's round trip, p50 and p95 by
 nearest rank. Called by :func:`ibex_dataplane.cli.main`; the pure pieces (:func:`recall_at`, :func:`summarize`)
@@ -43,9 +51,12 @@ class Agent:
 
     agent_id: str
     token: str
+    # capture: True once the agent's first ``n`` chat turns are checkpointed and nothing of it is left queued
+    drained: Callable[[int], Awaitable[bool]] | None = None
 
 
 Provision = Callable[[str], Awaitable[Agent]]
+CAPTURE_TIMEOUT_S = 1800.0
 
 
 class EvaluationError(Exception):
@@ -150,16 +161,32 @@ class _Client:
             "Content-Type": "application/json",
         }
 
-    async def post(self, path: str, body: Any, *, idempotent: bool = False) -> Any:
+    async def post(
+        self, path: str, body: Any, *, idempotent: bool = False, headers: dict[str, str] | None = None
+    ) -> Any:
         """One call; a 503 or 429 (the stack is overloaded or a store is away), or a 409 saying the same idempotent
         write is still in progress, is retried after its Retry-After.
         Writes retry only with an ``Idempotency-Key``, so a retried batch can never be applied twice."""
-        headers = dict(self._headers)
+        return await self._call("POST", path, orjson.dumps(body), idempotent=idempotent, extra=headers)
+
+    async def get(self, path: str, params: dict[str, str]) -> Any:
+        return await self._call("GET", path, None, params=params)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        *,
+        idempotent: bool = False,
+        extra: dict[str, str] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        headers = {**self._headers, **(extra or {})}
         if idempotent:
             headers["Idempotency-Key"] = f"eval-{uuid.uuid4().hex}"
-        data = orjson.dumps(body)
         for attempt in range(1, ATTEMPTS + 1):
-            async with self._http.post(self._base + path, data=data, headers=headers) as r:
+            async with self._http.request(method, self._base + path, data=data, headers=headers, params=params) as r:
                 raw = await r.read()
                 if r.status == 200:
                     return orjson.loads(raw)
@@ -167,7 +194,7 @@ class _Client:
             # 409 IDEMPOTENCY_IN_PROGRESS: an earlier attempt the proxy gave up on is still being written.
             in_progress = r.status == 409 and b"IDEMPOTENCY_IN_PROGRESS" in raw
             if not (r.status in (429, 503) or in_progress) or attempt == ATTEMPTS:
-                raise EvaluationError(f"POST {path} answered {r.status}: {raw[:300]!r}")
+                raise EvaluationError(f"{method} {path} answered {r.status}: {raw[:300]!r}")
             await asyncio.sleep(min(RETRY_CAP_S, float(retry_after) if retry_after.isdigit() else 1.0))
         raise AssertionError("unreachable")
 
@@ -219,6 +246,64 @@ async def _ingest(
     return holds
 
 
+async def _capture(
+    client: _Client, conversation: Conversation, agent: Agent, stats: IngestStats, progress: Progress
+) -> dict[str, set[str]]:
+    """Replay every turn as a chat of an agent that captures turns; returns memory id -> the turns it holds."""
+    if agent.drained is None:
+        raise EvaluationError("capture needs a way to tell when the agent's capture queue is drained")
+    label = f"chat {conversation.sample_id}"
+    started = time.perf_counter()
+    turn_of: dict[tuple[str, int], str] = {}
+    sessions: dict[int, list[Any]] = {}
+    for t in conversation.turns:
+        sessions.setdefault(t.session, []).append(t)
+    done = 0
+    for number, turns in sorted(sessions.items()):
+        session_id = f"{conversation.sample_id}-session-{number}"
+        for index, turn in enumerate(turns, 1):  # in order: the proxy numbers a session's turns as they come
+            headers = {"X-IBEX-Session-ID": session_id, "X-IBEX-Skip-Memory": "1"}
+            body = turn.write_body()
+            if "observed_at" in body:
+                headers["X-IBEX-Observed-At"] = body["observed_at"]
+            chat = {"model": "echo", "messages": [{"role": "user", "content": turn.content}], "max_tokens": 1}
+            await client.post("/v1/chat/completions", chat, headers=headers)
+            turn_of[(session_id, index)] = turn.dia_id
+            done += 1
+            progress.update(label, done, len(conversation.turns))
+    deadline = time.monotonic() + CAPTURE_TIMEOUT_S
+    while not await agent.drained(done):
+        if time.monotonic() > deadline:
+            raise EvaluationError(f"the capture queue of {conversation.sample_id} was not drained in time")
+        await asyncio.sleep(0.2)
+    stats.seconds += time.perf_counter() - started
+    stats.turns += len(conversation.turns)
+    holds: dict[str, set[str]] = {}
+    stored = 0
+    for status in ("active", "superseded", "quarantined"):
+        cursor: str | None = ""
+        while cursor is not None:
+            params = {"source": "extracted", "status": status, "limit": "100"}
+            if cursor:
+                params["cursor"] = cursor
+            page = await client.get("/v1/memories", params)
+            for memory in page["data"]:
+                stored += 1
+                if status == "quarantined":
+                    stats.quarantined += 1
+                    continue
+                stats.created += 1
+                if status == "superseded":
+                    stats.superseded.add(str(memory["id"]))
+                where = (memory.get("metadata") or {}).get("capture") or {}
+                dia_id = turn_of.get((str(where.get("session_id")), int(where.get("turn", 0))))
+                if dia_id is not None:
+                    holds.setdefault(str(memory["id"]), set()).add(dia_id)
+            cursor = page.get("next_cursor")
+    stats.deduplicated += len(conversation.turns) - stored
+    return holds
+
+
 async def _ask(
     client: _Client,
     conversation: Conversation,
@@ -255,14 +340,20 @@ async def evaluate(
     ks: Sequence[int] = DEFAULT_KS,
     categories: Sequence[int] = (1, 2, 3, 4),
     progress: Progress | None = None,
+    capture: bool = False,
 ) -> Report:
-    """Ingest then question each conversation with its own fresh agent; the report holds every scored question."""
+    """Ingest (or, with ``capture``, replay as chats) then question each conversation with its own fresh agent;
+    the report holds every scored question."""
     report = Report(tuple(ks))
     progress = progress or Progress(None)
     async with aiohttp.ClientSession() as http:
         for conversation in conversations:
-            client = _Client(http, base_url, await provision(conversation.sample_id))
-            holds = await _ingest(client, conversation, report.ingest, progress)
+            agent = await provision(conversation.sample_id)
+            client = _Client(http, base_url, agent)
+            if capture:
+                holds = await _capture(client, conversation, agent, report.ingest, progress)
+            else:
+                holds = await _ingest(client, conversation, report.ingest, progress)
             await _ask(client, conversation, holds, ks, categories, report, progress)
     return report
 
