@@ -301,3 +301,67 @@ async def test_a_job_redelivered_after_its_memories_were_stored_replays_instead_
     assert await memories() == 1  # replayed from the ledger, not written twice
     assert await jobs_of(stores, t.org_id) == []
     assert metrics.capture_jobs.labels("replayed")._value.get() == 1
+
+
+async def test_a_job_that_cannot_succeed_fails_visibly_and_loses_its_text_and_expired_text_is_deleted(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(agents=("alpha",), agent_spec={"memory": {"capture": "facts"}}, directive=None)
+    assert stores.admin_pool is not None and proxy.memory is not None
+    repo = _DiesBeforeDeleting(stores, t.org_id)
+    repo.died = True  # an ordinary worker
+    metrics = MemoryMetrics()
+    worker = CaptureWorker(repo, proxy.memory.app[SERVICE].write, IdempotencyLedger(stores.db), metrics,
+                           max_attempts=2)  # fmt: skip
+    async with stores.admin_pool.acquire() as conn:
+        for turn in (1, 2):  # facts: not served by the worker (yet)
+            await conn.execute(
+                "INSERT INTO capture_jobs (org_id, agent_id, session_id, turn, request_id, mode, messages,"
+                " available_at, expires_at) VALUES ($1, $2, 'stale', $3, 'req', 'facts', $4::jsonb,"
+                " now() + interval '1 hour', now() + interval '1 day')",
+                t.org_id, t.agents["alpha"], turn, orjson.dumps([{"role": "user", "content": FACT}]).decode(),
+            )  # fmt: skip
+    assert await worker.run_once() == 2  # first attempt: retried
+    assert metrics.capture_jobs.labels("retry")._value.get() == 2
+    assert await worker.run_once() == 2  # second: failed for good
+    jobs = await jobs_of(stores, t.org_id)
+    assert [(j["messages"], j["failed_at"] is not None, "facts" in j["last_error"]) for j in jobs] == [
+        (None, True, True), (None, True, True)
+    ]  # fmt: skip
+    assert metrics.capture_jobs.labels("failed")._value.get() == 2
+
+    # Housekeeping: text still queued past its expiry goes (workers were down), failed jobs after their retention.
+    async with stores.admin_pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO capture_jobs (org_id, agent_id, session_id, turn, request_id, mode, messages, expires_at)"
+            " VALUES ($1, $2, 'stale', 3, 'req', 'turns', '[]'::jsonb, now() - interval '1 second')",
+            t.org_id, t.agents["alpha"],
+        )  # fmt: skip
+    removed = await MemoryRepository(stores.db).capture_housekeeping(failed_age=3600.0)
+    assert removed >= 1
+    assert len(await jobs_of(stores, t.org_id)) == 2  # the failed ones stay for their retention (an hour here)
+    async with stores.admin_pool.acquire() as conn:
+        await conn.execute("UPDATE capture_jobs SET failed_at = now() - interval '2 hours' WHERE org_id = $1", t.org_id)
+    await MemoryRepository(stores.db).capture_housekeeping(failed_age=3600.0)
+    assert await jobs_of(stores, t.org_id) == []
+
+
+async def test_the_trace_row_says_whether_the_turn_was_queued_for_capture(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(agent_specs={"alpha": CAPTURE_TURNS, "beta": {}}, directive=None)
+    async with ClientSession() as http:
+        for agent in ("alpha", "beta"):
+            assert (await chat(http, proxy, headers(t, agent, "traced"), {"role": "user", "content": FACT}))[0] == 200
+
+    async def traced() -> bool:
+        rows = await stores.clickhouse.admin_query(
+            "SELECT count() FROM llm_traces WHERE org_id = {org:UUID}", org=str(t.org_id)
+        )
+        return bool(rows and rows[0][0] == 2)
+
+    await until(traced, "both trace rows")
+    rows = await stores.clickhouse.admin_query(
+        "SELECT agent_id, captured FROM llm_traces WHERE org_id = {org:UUID}", org=str(t.org_id)
+    )
+    assert {(str(a), int(c)) for a, c in rows} == {(str(t.agents["alpha"]), 1), (str(t.agents["beta"]), 0)}
