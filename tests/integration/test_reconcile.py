@@ -189,3 +189,35 @@ async def test_a_secret_that_cannot_be_written_never_rotates_the_working_key(
     row = await key_row(stores, t.key_ids["solo"])
     assert secret_matches(pepper, parse_token(working)[1], row["secret_hash"])  # type: ignore[arg-type]
     assert await secret_sink.read(NAMESPACE, key_name) == working
+
+
+async def test_the_capture_policy_is_reconciled_into_the_agent_and_edits_reach_the_proxys_policy(
+    reconciler: Reconciler, stores: Stores
+) -> None:
+    from ibex_dataplane.proxy.repository import ProxyRepository
+
+    suffix = uuid.uuid4().hex[:8]
+    org = await reconciler.organization(NAMESPACE, f"cap-{suffix}", OrganizationSpec(), generation=1)
+    org_id = uuid.UUID(org.fields["orgId"])
+
+    async def apply(memory: dict[str, object], generation: int) -> tuple[str, tuple[str, ...], str | None]:
+        spec = AgentSpec.model_validate({"organizationRef": {"name": f"cap-{suffix}"}, "memory": memory})
+        assert (await reconciler.agent(NAMESPACE, f"bot-{suffix}", spec, generation=generation)).ready
+        _, agents = await ProxyRepository(stores.db).org_and_agents(org_id)
+        [a] = agents
+        return a.memory_capture, a.memory_capture_roles, a.memory_extraction_model
+
+    assert await apply({}, 1) == ("off", ("user",), None)
+    assert await apply({"capture": "turns", "captureRoles": ["user", "assistant"]}, 2) == (
+        "turns", ("user", "assistant"), None
+    )  # fmt: skip
+    assert await apply({"capture": "facts", "extractionModel": "gpt-4o-mini"}, 3) == ("facts", ("user",), "gpt-4o-mini")
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [{"capture": "always"}, {"captureRoles": []}, {"captureRoles": ["user", "user"]}, {"captureRoles": ["system"]}],
+)
+def test_an_invalid_capture_policy_is_refused_by_the_model(memory: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="capture"):
+        AgentSpec.model_validate({"organizationRef": {"name": "acme"}, "memory": memory})

@@ -255,6 +255,7 @@ async def _capture(
     label = f"chat {conversation.sample_id}"
     started = time.perf_counter()
     turn_of: dict[tuple[str, int], str] = {}
+    said: dict[tuple[str, str], set[str]] = {}  # (session, content) -> turns
     sessions: dict[int, list[Any]] = {}
     for t in conversation.turns:
         sessions.setdefault(t.session, []).append(t)
@@ -269,6 +270,7 @@ async def _capture(
             chat = {"model": "echo", "messages": [{"role": "user", "content": turn.content}], "max_tokens": 1}
             await client.post("/v1/chat/completions", chat, headers=headers)
             turn_of[(session_id, index)] = turn.dia_id
+            said.setdefault((session_id, turn.content), set()).add(turn.dia_id)
             done += 1
             progress.update(label, done, len(conversation.turns))
     deadline = time.monotonic() + CAPTURE_TIMEOUT_S
@@ -296,9 +298,15 @@ async def _capture(
                 if status == "superseded":
                     stats.superseded.add(str(memory["id"]))
                 where = (memory.get("metadata") or {}).get("capture") or {}
-                dia_id = turn_of.get((str(where.get("session_id")), int(where.get("turn", 0))))
-                if dia_id is not None:
-                    holds.setdefault(str(memory["id"]), set()).add(dia_id)
+                session_id = str(where.get("session_id"))
+                # By content first: the proxy numbers a session's turns as their checkpoints commit, which may
+                # swap two quick turns; a masked memory no longer matches its turn's text, so then by number.
+                dia_ids = said.get((session_id, str(memory.get("content"))))
+                if dia_ids is None:
+                    numbered = turn_of.get((session_id, int(where.get("turn", 0))))
+                    dia_ids = {numbered} if numbered else set()
+                if dia_ids:
+                    holds.setdefault(str(memory["id"]), set()).update(dia_ids)
             cursor = page.get("next_cursor")
     stats.deduplicated += len(conversation.turns) - stored
     return holds
