@@ -516,7 +516,7 @@ class ChatHandler:
             raise
         plan.upstream_ms = (time.perf_counter() - started) * 1000
         self._s.metrics.provider_calls.labels(plan.model.provider, "ok").inc()
-        answer = "" if upstream_failed else streamed_answer_text(forwarded)
+        answer = None if upstream_failed else streamed_answer_text(forwarded)
         self._after(state, plan, served(), served_by, digest.hexdigest(), answer)
         assert response is not None
         return response
@@ -541,10 +541,10 @@ class ChatHandler:
         usage: Usage | None,
         served_by: str,
         completion: str | None = None,
-        answer: str = "",
+        answer: str | None = None,
     ) -> None:
-        """Settle or release the hold, correct the TPM charge, checkpoint the session and queue its capture (only
-        for a complete answer); never blocks the answer."""
+        """Settle or release the hold, correct the TPM charge, checkpoint the session and, for a complete answer
+        (``answer`` is its text), queue the turn's capture; never blocks the answer."""
         caller = state.require_caller()
         _, agent = state.require_agent()
         s = self._s
@@ -569,7 +569,7 @@ class ChatHandler:
                 s.rate_limiter.adjust_tokens(caller.org_id, agent.id, plan.limits, delta, window=plan.rate_window),
             )
         if usage is not None:
-            capture = capture_of(agent, plan.client_messages, answer, plan.observed_at) if completion else None
+            capture = capture_of(agent, plan.client_messages, answer, plan.observed_at) if answer is not None else None
             plan.captured = capture is not None
             s.background.spawn(
                 "checkpoint",
