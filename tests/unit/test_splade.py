@@ -75,7 +75,9 @@ def _reference(ids: list[int], w: dict[str, Any]) -> np.ndarray[Any, Any]:
         def lin(v: np.ndarray[Any, Any], name: str, p: str = p) -> np.ndarray[Any, Any]:
             return np.asarray(v @ w[p + name + ".weight"].T + w[p + name + ".bias"])
 
-        q, k, v = (lin(x, f"attention.self.{n}").reshape(t, 2, 64).transpose(1, 0, 2) for n in ("query", "key", "value"))
+        q, k, v = (
+            lin(x, f"attention.self.{n}").reshape(t, 2, 64).transpose(1, 0, 2) for n in ("query", "key", "value")
+        )
         scores = q @ k.transpose(0, 2, 1) / 8.0
         attn = np.exp(scores - scores.max(-1, keepdims=True))
         attn /= attn.sum(-1, keepdims=True)
