@@ -146,7 +146,8 @@ def test_the_splade_score_adds_to_bm25_in_bm25_units() -> None:
 def test_a_memory_the_sparse_leg_also_found_outranks_an_equal_one_it_did_not() -> None:
     related = SearchRow(memory("John: The Minnesota Wolves!"), 0.5, 3.0, 1, 12.0)
     unrelated = SearchRow(memory("John: The weather is fine."), 0.5, 3.0, 1, None)
-    only_sparse = SearchRow(memory("John: We won the game."), None, None, 0, 40.0)
+    strong = 4 * TUNING.text_half / TUNING.sparse_weight  # text evidence 0.8 from SPLADE alone
+    only_sparse = SearchRow(memory("John: We won the game."), None, None, 0, strong)
     r_related, r_unrelated, r_sparse = relevance_of([related, unrelated, only_sparse], TUNING)
     assert r_related > r_unrelated
     assert r_sparse >= TUNING.relevance_floor  # a strong SPLADE match alone is an answer

@@ -76,7 +76,7 @@ class SearchTuning:
     agreement_bonus: float = 0.0  # both legs found it (measured: no gain on top of the weighted sum)
     similarity_zero: float = 0.30  # cosine that is no evidence at all for MiniLM (unrelated sentences)
     similarity_full: float = 0.80  # cosine that is full evidence
-    text_half: float = 6.0  # BM25 score (plus the weighted SPLADE dot product) that is half evidence
+    text_half: float = 12.0  # BM25 score plus the weighted SPLADE dot product that is half evidence (6 before it)
     sparse_weight: float = 0.2  # SPLADE dot product added to the BM25 score, in BM25 units (0: no sparse leg)
     sparse_candidates: int = 60
     sparse_term_rows: int = 400  # postings read per query token (the highest weights)
