@@ -3,11 +3,14 @@
 Owns turning a validated :class:`SearchQuery` into ranked hits. The query is masked for PII like content is; the
 BM25 full-text leg (any query term may match, statistics from the postings kept at write time) starts at once and
 runs while the masked query is embedded, then the HNSW leg (iterative scan under the per-agent filter, a low ANN
-cutoff after the index scan) runs; both read active, currently valid memories, hydrated, and are merged by id.
+cutoff after the index scan) runs; beside them the sparse leg encodes the masked query with SPLADE (its own model
+thread) and scores the postings of migration 0025. All read active, currently valid memories, hydrated, and are
+merged by id.
 Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reuse it):
 
 1. fusion: each leg's evidence on an absolute scale (cosine between ``similarity_zero`` and ``similarity_full``;
-   BM25 ``s / (s + text_half)``), weighted and summed, plus a bonus when both legs agree;
+   term evidence ``s / (s + text_half)`` with ``s`` = BM25 + ``sparse_weight`` x SPLADE dot product), weighted and
+   summed, plus a bonus when both agree;
 2. time: a query naming a day, a month or a year lifts memories whose validity starts inside it;
    names: a memory holding a name the query mentions (a capitalized word not starting a sentence) is lifted;
 3. neighbours: a memory observed within ``neighbour_seconds`` of a strong hit in the same session, and every
