@@ -4,24 +4,29 @@ scored only inside the caller's org and agent, and filled in by the backfill for
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import asyncpg
 import numpy as np
+from aiohttp import ClientSession
 
-from ibex_dataplane.embedding import SparseVector
+from ibex_dataplane.embedding import EmbeddingError, SparseVector
 from ibex_dataplane.embedding.splade import shared_encoder
 from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.memory.repository import MemoryRepository
 from ibex_dataplane.memory.sparse import SparseBackfill
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.security.principal import HEADER, Principal, http_target
+from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
 from ibex_dataplane.store.postgres import Database, create_pool
 from tests.integration.test_migrations import fresh_database
 from tests.support.memory import memory_client
-from tests.support.proxy import RunningProxy
+from tests.support.proxy import MemoryDeps, RunningProxy, running_memory_stage
 from tests.support.tenants import TenantFactory
 
 POSTINGS = "SELECT count(*) FROM memory_sparse_terms WHERE memory_id = $1::uuid"
@@ -158,3 +163,35 @@ async def test_memories_written_before_the_migration_get_weights_from_the_backfi
 
 async def _ready(tokens: list[int], weights: list[float]) -> SparseVector:
     return SparseVector(np.asarray(tokens, np.int32), np.asarray(weights, np.float32))
+
+
+class _BrokenSparse:
+    model_name = "broken"
+
+    async def encode(self, texts: Sequence[str]) -> list[SparseVector]:
+        raise EmbeddingError("model file is corrupt")
+
+
+async def test_a_failing_sparse_model_stores_nothing_and_search_says_degraded(
+    settings: Settings, stores: Stores, memory_deps: MemoryDeps, tenants: TenantFactory
+) -> None:
+    t = await tenants.create()
+    agent = t.agents["alpha"]
+    stage_cm = running_memory_stage(settings, stores, memory_deps, sparse=_BrokenSparse())
+    async with stage_cm as stage, ClientSession() as http:
+
+        async def post(path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+            principal = Principal(
+                t.org_id, agent, frozenset({"memory:write", "memory:read"}), "r1", time.time() + 30,
+                http_target("POST", path),
+            )  # fmt: skip
+            headers = {HEADER: stage.signer.sign(principal)}
+            async with http.post(stage.base_url + path, json=body, headers=headers) as r:
+                return r.status, await r.json()
+
+        status, body = await post("/v1/memories", {"content": "This will never be encoded."})
+        assert status == 503, body
+        status, body = await post("/v1/memories/search", {"query": "anything at all"})
+        assert status == 503, body
+    async with stores.db.tenant(t.org_id, agent, readonly=True) as conn:
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 0
