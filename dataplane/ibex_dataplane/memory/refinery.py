@@ -322,14 +322,14 @@ class Embed:
         try:
             try:
                 vectors = await self._embedder.embed(texts)
+                if vectors.shape != (len(todo), self._embedder.dimensions) or not np.all(np.isfinite(vectors)):
+                    raise EmbeddingError("the embedder returned vectors of the wrong shape or non-finite values")
             except BaseException:
                 if sparse_task is not None:  # nothing keeps running behind a failed or cancelled write
                     sparse_task.cancel()
                     with contextlib.suppress(BaseException):
                         await sparse_task
                 raise
-            if vectors.shape != (len(todo), self._embedder.dimensions) or not np.all(np.isfinite(vectors)):
-                raise EmbeddingError("the embedder returned vectors of the wrong shape or non-finite values")
             sparse = None if sparse_task is None else await sparse_task
             if sparse is not None and len(sparse) != len(todo):
                 raise EmbeddingError("the sparse encoder returned the wrong number of vectors")
