@@ -132,3 +132,36 @@ def test_a_memory_holding_a_name_the_query_mentions_is_lifted_above_an_equal_one
     named, plain = relevance_of([with_name, without], TUNING, names=names_in("What did Maria paint?"))
     assert named == pytest.approx(plain + TUNING.name_weight)
     assert relevance_of([with_name, without], TUNING, names=names_in("What did Oskar paint?")) == [plain, plain]
+
+
+def test_the_splade_score_adds_to_bm25_in_bm25_units() -> None:
+    t = TUNING
+    assert text_evidence(None, t, None) == 0.0
+    assert text_evidence(None, t, t.text_half / t.sparse_weight) == pytest.approx(0.5)  # SPLADE alone
+    assert text_evidence(2.0, t, 10.0) == pytest.approx(text_evidence(2.0 + t.sparse_weight * 10.0, t))
+    off = SearchTuning(sparse_weight=0.0)
+    assert text_evidence(2.0, off, 10.0) == text_evidence(2.0, off)
+
+
+def test_a_memory_the_sparse_leg_also_found_outranks_an_equal_one_it_did_not() -> None:
+    related = SearchRow(memory("John: The Minnesota Wolves!"), 0.5, 3.0, 1, 12.0)
+    unrelated = SearchRow(memory("John: The weather is fine."), 0.5, 3.0, 1, None)
+    strong = 4 * TUNING.text_half / TUNING.sparse_weight  # text evidence 0.8 from SPLADE alone
+    only_sparse = SearchRow(memory("John: We won the game."), None, None, 0, strong)
+    r_related, r_unrelated, r_sparse = relevance_of([related, unrelated, only_sparse], TUNING)
+    assert r_related > r_unrelated
+    assert r_sparse >= TUNING.relevance_floor  # a strong SPLADE match alone is an answer
+    hits = rank([unrelated, related, only_sparse], "Which team did John sign with?", 2, NOW, TUNING)
+    assert {h.memory.id for h in hits} == {related.memory.id, only_sparse.memory.id}
+    assert [matched_by(r) for r in (related, only_sparse)] == ["both", "text"]
+
+
+def test_three_legs_merge_into_one_row_per_memory() -> None:
+    a, b, c = memory("a"), memory("b"), memory("c")
+    merged = merge_legs(
+        [SearchRow(a, 0.7, None, 0)],
+        [SearchRow(a, None, 3.0, 2), SearchRow(b, None, 1.0, 1)],
+        [SearchRow(a, None, None, 0, 9.0), SearchRow(c, None, None, 0, 4.0)],
+    )
+    by_id = {r.memory.id: (r.similarity, r.text_score, r.text_terms, r.sparse_score) for r in merged}
+    assert by_id == {a.id: (0.7, 3.0, 2, 9.0), b.id: (None, 1.0, 1, None), c.id: (None, None, 0, 4.0)}

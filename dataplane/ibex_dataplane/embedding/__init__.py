@@ -5,7 +5,7 @@ all-MiniLM-L6-v2 implementation, imported from there by the composition root onl
 protocol does not load onnxruntime.
 """
 
-from ibex_dataplane.embedding.base import Embedder, Embeddings
+from ibex_dataplane.embedding.base import Embedder, Embeddings, SparseEncoder, SparseVector
 from ibex_dataplane.embedding.errors import EmbeddingError
 
-__all__ = ["Embedder", "EmbeddingError", "Embeddings"]
+__all__ = ["Embedder", "EmbeddingError", "Embeddings", "SparseEncoder", "SparseVector"]

@@ -9,11 +9,15 @@ belonging to ``texts[i]``, C-contiguous and L2-normalised, so cosine similarity 
 rather than ``list[list[float]]`` because it is what pgvector's codecs and the similarity maths consume,
 without a per-float Python object; call ``.tolist()`` where plain lists are needed. An empty input gives an
 array of shape ``(0, dimensions)``.
+
+``SparseEncoder`` is the seam of the learned-sparse (SPLADE) signal of memory search: a text becomes a
+:class:`SparseVector` over a fixed vocabulary (today ``ibex_dataplane.embedding.splade.OnnxSpladeEncoder``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 import numpy as np
@@ -46,4 +50,28 @@ class Embedder(Protocol):
 
     def embed_sync(self, texts: Sequence[str]) -> Embeddings:
         """Embed ``texts``, blocking the calling thread; never call it from the event loop."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SparseVector:
+    """Token ids (ascending, int32) and their weights (float32, > 0) of one text."""
+
+    tokens: npt.NDArray[np.int32]
+    weights: npt.NDArray[np.float32]
+
+    def dot(self, other: SparseVector) -> float:
+        """sum(w_a * w_b) over the tokens both hold."""
+        _, mine, theirs = np.intersect1d(self.tokens, other.tokens, assume_unique=True, return_indices=True)
+        return float(np.dot(self.weights[mine], other.weights[theirs]))
+
+
+class SparseEncoder(Protocol):
+    """Turns texts into sparse vocabulary weights; raises ``EmbeddingError`` for every failure of the model."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    async def encode(self, texts: Sequence[str]) -> list[SparseVector]:
+        """One vector per text, in input order, without blocking the event loop."""
         ...

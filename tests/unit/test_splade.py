@@ -1,0 +1,168 @@
+"""The SPLADE encoder on the packaged model against a plain numpy forward pass of the same checkpoint (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from ibex_dataplane.embedding import EmbeddingError, SparseEncoder, SparseVector
+from ibex_dataplane.embedding.onnx_graph import _varint
+from ibex_dataplane.embedding.splade import OnnxSpladeEncoder, packaged_model_dir, sparse_of
+
+TEXTS = [
+    "What activities has Melanie done with her family?",
+    "Caroline: I went to a LGBTQ support group yesterday and it was so powerful.",
+    "ok",
+    "Deploys happen on Tuesdays; the staging cluster is rebuilt every night at 02:00 UTC.",
+]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Iterator[OnnxSpladeEncoder]:
+    instance = OnnxSpladeEncoder.from_installed_packages()
+    yield instance
+    instance.close()
+
+
+# -- a reference forward pass, written independently of the ONNX graph ----------------------------------------------
+
+
+def _tensors(path: Path) -> dict[str, np.ndarray[Any, Any]]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    return {
+        k: np.frombuffer(raw[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]], "<f4").reshape(v["shape"])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _gelu(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def _norm(x: np.ndarray[Any, Any], w: dict[str, Any], p: str) -> np.ndarray[Any, Any]:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + 1e-12) * w[p + ".gamma"] + w[p + ".beta"]
+
+
+def _reference(ids: list[int], w: dict[str, Any]) -> np.ndarray[Any, Any]:
+    """One text, float64: BERT (2 layers, 2 heads), the MLM head, then max over tokens of log(1 + relu)."""
+    t = len(ids)
+    x = (
+        w["bert.embeddings.word_embeddings.weight"][ids]
+        + w["bert.embeddings.position_embeddings.weight"][:t]
+        + w["bert.embeddings.token_type_embeddings.weight"][0]
+    ).astype(np.float64)
+    x = _norm(x, w, "bert.embeddings.LayerNorm")
+    for layer in range(2):
+        p = f"bert.encoder.layer.{layer}."
+
+        def lin(v: np.ndarray[Any, Any], name: str, p: str = p) -> np.ndarray[Any, Any]:
+            return np.asarray(v @ w[p + name + ".weight"].T + w[p + name + ".bias"])
+
+        q, k, v = (
+            lin(x, f"attention.self.{n}").reshape(t, 2, 64).transpose(1, 0, 2) for n in ("query", "key", "value")
+        )
+        scores = q @ k.transpose(0, 2, 1) / 8.0
+        attn = np.exp(scores - scores.max(-1, keepdims=True))
+        attn /= attn.sum(-1, keepdims=True)
+        context = (attn @ v).transpose(1, 0, 2).reshape(t, 128)
+        x = _norm(x + lin(context, "attention.output.dense"), w, p + "attention.output.LayerNorm")
+        x = _norm(x + lin(_gelu(lin(x, "intermediate.dense")), "output.dense"), w, p + "output.LayerNorm")
+    h = _gelu(x @ w["cls.predictions.transform.dense.weight"].T + w["cls.predictions.transform.dense.bias"])
+    h = _norm(h, w, "cls.predictions.transform.LayerNorm")
+    logits = h @ w["bert.embeddings.word_embeddings.weight"].T + w["cls.predictions.bias"]
+    return np.asarray(np.log1p(np.maximum(logits, 0.0)).max(axis=0))
+
+
+def test_the_onnx_graph_matches_a_numpy_forward_pass(encoder: OnnxSpladeEncoder) -> None:
+    directory = packaged_model_dir()
+    weights = _tensors(directory / "model.safetensors")
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    # One batch of texts of different lengths: padding must not change any row.
+    got = encoder.activations(TEXTS)
+    assert got.shape == (len(TEXTS), 30522)
+    for row, text in enumerate(TEXTS):
+        expected = _reference(tokenizer.encode(text).ids, weights)
+        np.testing.assert_allclose(got[row], expected, atol=2e-4, rtol=1e-3)
+        assert (expected > 0.5).sum() >= 3  # a real activation, not an all-zero row that matches trivially
+
+
+def test_sparse_vectors_keep_the_strongest_tokens_in_token_order(encoder: OnnxSpladeEncoder) -> None:
+    dense = encoder.activations(TEXTS[:1])[0]
+    vector = encoder.encode_sync(TEXTS[:1])[0]
+    assert vector.tokens.dtype == np.int32 and vector.weights.dtype == np.float32
+    assert np.all(np.diff(vector.tokens) > 0)
+    np.testing.assert_allclose(vector.weights, dense[vector.tokens], rtol=1e-6)
+    assert np.all(vector.weights >= 0.05)
+    assert set(vector.tokens.tolist()) == set(np.flatnonzero(dense >= 0.05).tolist())
+    assert "family" in {encoder._tokenizer.id_to_token(int(t)) for t in vector.tokens}
+
+
+def test_a_batch_gives_what_one_text_at_a_time_gives(encoder: OnnxSpladeEncoder) -> None:
+    texts = [TEXTS[i % len(TEXTS)] + " " + "more words" * (i % 5) for i in range(37)]  # three model runs
+    together = encoder.encode_sync(texts)
+    for text, vector in zip(texts, together, strict=True):
+        (alone,) = encoder.encode_sync([text])
+        np.testing.assert_array_equal(alone.tokens, vector.tokens)
+        np.testing.assert_allclose(alone.weights, vector.weights, atol=1e-5)
+
+
+def test_related_texts_score_higher_than_unrelated_ones(encoder: OnnxSpladeEncoder) -> None:
+    question, answer, unrelated = asyncio.run(
+        _encode(encoder, ["Which team did Gina sign with?", "Gina signed with the Minnesota Wolves team.", "ok"])
+    )
+    assert question.dot(answer) > 5 * max(question.dot(unrelated), 0.1)
+
+
+async def _encode(encoder: SparseEncoder, texts: list[str]) -> list[SparseVector]:
+    return await encoder.encode(texts)
+
+
+def test_sparse_of_caps_the_number_of_terms() -> None:
+    activation = np.zeros(100, dtype=np.float32)
+    activation[[3, 10, 50, 70]] = [0.5, 2.0, 0.01, 1.0]
+    kept = sparse_of(activation, min_weight=0.05, max_terms=2)
+    assert kept.tokens.tolist() == [10, 70]
+    assert kept.weights.tolist() == [2.0, 1.0]
+    everything = sparse_of(activation, min_weight=0.05, max_terms=10)
+    assert everything.tokens.tolist() == [3, 10, 70]
+
+
+def test_dot_sums_over_shared_tokens_only() -> None:
+    a = SparseVector(np.array([1, 4, 9], np.int32), np.array([1.0, 2.0, 3.0], np.float32))
+    b = SparseVector(np.array([4, 9, 12], np.int32), np.array([0.5, 1.0, 7.0], np.float32))
+    assert a.dot(b) == pytest.approx(2.0 * 0.5 + 3.0 * 1.0)
+
+
+def test_protobuf_varints_encode_negative_int64_as_ten_bytes() -> None:
+    assert _varint(1) == b"\x01"
+    assert _varint(300) == b"\xac\x02"
+    assert len(_varint(-1)) == 10
+
+
+def test_a_closed_encoder_refuses_work() -> None:
+    instance = OnnxSpladeEncoder.from_installed_packages()
+    instance.close()
+    with pytest.raises(EmbeddingError):
+        instance.encode_sync(["anything"])
+
+
+def test_a_missing_model_directory_is_an_embedding_error(tmp_path: Path) -> None:
+    with pytest.raises(EmbeddingError):
+        OnnxSpladeEncoder(tmp_path)
