@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Literal
 
@@ -158,8 +158,11 @@ class ProviderRegistry:
         raise AssertionError("unreachable: a chain is never empty")  # pragma: no cover
 
     @asynccontextmanager
-    async def stream(self, request: ChatRequest) -> AsyncIterator[AsyncIterator[StreamEvent]]:
-        """``Provider.stream`` with fallback while opening; once a stream is open it is the answer."""
+    async def stream(
+        self, request: ChatRequest, on_open: Callable[[str], None] | None = None
+    ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
+        """``Provider.stream`` with fallback while opening; once a stream is open it is the answer. ``on_open`` is
+        told which model of the chain opened it (before the first event, so a header can say so)."""
         chain = self.chain(request.model)
         async with AsyncExitStack() as stack:
             for index, model in enumerate(chain):
@@ -170,6 +173,8 @@ class ProviderRegistry:
                     if not self._may_fall_back(e, model, index, chain, request):
                         raise
                     continue
+                if on_open is not None:
+                    on_open(model)
                 yield events
                 return
 

@@ -18,24 +18,15 @@ from aiohttp import web
 
 from ibex_dataplane.providers.catalog import ModelCatalog, configured_providers, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
+from ibex_dataplane.proxy.accounting import Accounting, BackgroundTasks
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
 from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
 from ibex_dataplane.proxy.budget import BudgetService
 from ibex_dataplane.proxy.cache import InvalidationListener, TieredCache
-from ibex_dataplane.proxy.chat import (
-    BackgroundTasks,
-    ChatHandler,
-    ChatServices,
-    budget_hold,
-    context_assembly,
-    directive_and_session,
-    idempotency,
-    model_policy,
-    rate_limit,
-    validate_request,
-)
 from ibex_dataplane.proxy.context import ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService, decode_directive, encode_directive
+from ibex_dataplane.proxy.edge import CHAT_EDGE
+from ibex_dataplane.proxy.edge_messages import MESSAGES_EDGE
 from ibex_dataplane.proxy.gates import (
     GatePipeline,
     authenticate,
@@ -44,6 +35,17 @@ from ibex_dataplane.proxy.gates import (
     json_content_type,
     request_rate_limit,
     tenant_status,
+)
+from ibex_dataplane.proxy.generation import (
+    GenerationHandler,
+    GenerationServices,
+    budget_hold,
+    context_assembly,
+    directive_and_session,
+    idempotency,
+    model_policy,
+    rate_limit,
+    validate_request,
 )
 from ibex_dataplane.proxy.health import HealthChecks
 from ibex_dataplane.proxy.mcp import add_mcp_routes
@@ -69,8 +71,8 @@ log = logging.getLogger(__name__)
 STORES = web.AppKey("stores", Stores)
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", ProxyMetrics)
-SERVICES = web.AppKey("chat_services", ChatServices)
-CHAT = web.AppKey("chat_handler", ChatHandler)
+SERVICES = web.AppKey("generation_services", GenerationServices)
+GENERATION = web.AppKey("generation_handler", GenerationHandler)
 
 
 def _on_invalidation(keys: TieredCache[Any], policies: TieredCache[Any], directives: TieredCache[Any]) -> Any:
@@ -164,13 +166,16 @@ def create_app(
     async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession()
         registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
-        services = ChatServices(
-            catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets,
-            directives=directives, sessions=sessions, metrics=metrics, background=background, analytics=analytics,
-            idempotency=IdempotencyLedger(stores.db), context=context_client,
+        accounting = Accounting(
+            catalog=catalog, budgets=budgets, rate_limiter=rate_limiter, sessions=sessions, analytics=analytics,
+            background=background,
+        )  # fmt: skip
+        services = GenerationServices(
+            catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets, directives=directives,
+            metrics=metrics, accounting=accounting, idempotency=IdempotencyLedger(stores.db), context=context_client,
         )  # fmt: skip
         app[SERVICES] = services
-        chat_pipeline = GatePipeline(
+        generation_pipeline = GatePipeline(
             [
                 *bound,
                 ("model_policy", model_policy(catalog, servable)),
@@ -183,7 +188,7 @@ def create_app(
             ],
             metrics,
         )
-        app[CHAT] = ChatHandler(chat_pipeline, services)
+        app[GENERATION] = GenerationHandler(generation_pipeline, services)
         await listener.start()
         await analytics.start()
         await context_client.start()
@@ -205,7 +210,10 @@ def create_app(
             await context_client.close()
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await request.app[CHAT].handle(request)
+        return await request.app[GENERATION].handle(request, CHAT_EDGE)
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        return await request.app[GENERATION].handle(request, MESSAGES_EDGE)
 
     app.cleanup_ctx.append(providers_ctx)
 
@@ -238,6 +246,7 @@ def create_app(
     )
     add_mcp_routes(app, bound=memory_gates, forwarder=forwarder, sessions=McpSessions(stores.redis), metrics=metrics)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/me", routes.me)
     app.router.add_get("/v1/usage", routes.usage)
