@@ -239,8 +239,11 @@ def _arguments(raw: Any) -> Any:
 def chat_to_message(completion: Mapping[str, Any], usage: Usage, ctx: RenderContext) -> dict[str, Any]:
     """The Messages ``message`` for a ``chat.completion``."""
     choices = completion.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], Mapping) else {}
-    message = choice.get("message") if isinstance(choice.get("message"), Mapping) else {}
+    choice: Mapping[str, Any] = (
+        choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], Mapping) else {}
+    )
+    found = choice.get("message")
+    message: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
     content: list[dict[str, Any]] = []
     text = message.get("content")
     if isinstance(text, str) and text:
@@ -282,7 +285,7 @@ class MessagesEncoder:
         if self._started:
             return []
         self._started = True
-        message = {
+        message: dict[str, Any] = {
             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": self._ctx.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": self._ctx.prompt_tokens, "output_tokens": 0},
@@ -326,7 +329,8 @@ class MessagesEncoder:
                 if not isinstance(call, Mapping):
                     continue
                 index = call.get("index", 0)
-                function = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+                found = call.get("function")
+                function: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
                 if index not in self._tools:
                     block = {"type": "tool_use", "id": str(call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}"),
                              "name": str(function.get("name") or ""), "input": {}}  # fmt: skip
