@@ -5,7 +5,8 @@ cost arithmetic built on them. The proxy calls ``worst_case_cost`` for the budge
 the context stage reads windows and tokenizer families; the registry routes by ``ModelInfo.provider``.
 
 Built in: the offline ``echo`` model (priced by the caller, 1.00 / 2.00 USD per million by default, so budgets
-are real offline) and a few OpenAI models routed to the ``openai`` provider. Configuration adds or replaces
+are real offline), a few OpenAI models routed to the ``openai`` provider and a few Claude models routed to the
+``anthropic`` provider. Configuration adds or replaces
 entries with the JSON shape ``{"models": [{...}], "providers": {...}}`` (``providers`` is read by the registry;
 here it only tells which provider names exist).
 """
@@ -39,7 +40,8 @@ __all__ = [
 ECHO_MODEL: Final = "echo"
 ECHO_PROVIDER: Final = "echo"
 OPENAI_PROVIDER: Final = "openai"
-BUILTIN_PROVIDERS: Final = frozenset({ECHO_PROVIDER, OPENAI_PROVIDER})
+ANTHROPIC_PROVIDER: Final = "anthropic"
+BUILTIN_PROVIDERS: Final = frozenset({ECHO_PROVIDER, OPENAI_PROVIDER, ANTHROPIC_PROVIDER})
 
 _MILLION: Final = Decimal(1_000_000)
 
@@ -110,6 +112,25 @@ _OPENAI_MODELS: Final = (
 )
 
 
+def _anthropic(name: str, window: int, max_out: int, price_in: str, price_out: str) -> ModelInfo:
+    return ModelInfo(
+        name=name,
+        provider=ANTHROPIC_PROVIDER,
+        context_window=window,
+        max_output_tokens=max_out,
+        tokenizer_family=TokenizerFamily.ANTHROPIC,
+        input_price_per_mtok=Decimal(price_in),
+        output_price_per_mtok=Decimal(price_out),
+    )
+
+
+_ANTHROPIC_MODELS: Final = (
+    _anthropic("claude-sonnet-4-5", 200_000, 64_000, "3.00", "15.00"),
+    _anthropic("claude-haiku-4-5", 200_000, 64_000, "1.00", "5.00"),
+    _anthropic("claude-opus-4-1", 200_000, 32_000, "15.00", "75.00"),
+)
+
+
 def echo_model(input_price_per_mtok: Decimal, output_price_per_mtok: Decimal) -> ModelInfo:
     """The built-in offline ``echo`` model at the given prices."""
     return ModelInfo(
@@ -139,8 +160,10 @@ class ModelCatalog:
         echo_input_price_per_mtok: Decimal = Decimal("1.00"),
         echo_output_price_per_mtok: Decimal = Decimal("2.00"),
     ) -> ModelCatalog:
-        """``echo`` at the given prices plus the built-in OpenAI models."""
-        return cls((echo_model(echo_input_price_per_mtok, echo_output_price_per_mtok), *_OPENAI_MODELS))
+        """``echo`` at the given prices plus the built-in OpenAI and Anthropic models."""
+        return cls(
+            (echo_model(echo_input_price_per_mtok, echo_output_price_per_mtok), *_OPENAI_MODELS, *_ANTHROPIC_MODELS)
+        )
 
     @classmethod
     def from_config(
@@ -153,7 +176,8 @@ class ModelCatalog:
     ) -> ModelCatalog:
         """Built-ins (unless excluded) plus the ``models`` of ``config``, which replace built-ins of the same name.
 
-        Each model's ``provider`` must be built in (``echo``, ``openai``) or a key of ``config["providers"]``.
+        Each model's ``provider`` must be built in (``echo``, ``openai``, ``anthropic``) or a key of
+        ``config["providers"]``.
         """
         try:
             spec = _CatalogSpec.model_validate(config)

@@ -15,7 +15,8 @@ no higher), so the budget hold placed for the requested model still covers which
 
     {"models": [...],
      "providers": {"openai": {"type": "openai_compat", "api_key": "...", ...},
-                   "local-vllm": {"type": "openai_compat", "base_url": "http://127.0.0.1:8000/v1"}},
+                   "local-vllm": {"type": "openai_compat", "base_url": "http://127.0.0.1:8000/v1"},
+                   "anthropic": {"type": "anthropic", "api_key_env": "ANTHROPIC_API_KEY"}},
      "fallbacks": {"gpt-4o": ["gpt-4o-mini", "echo"]}}
 """
 
@@ -30,6 +31,7 @@ from typing import Any, Literal
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ibex_dataplane.providers.anthropic import AnthropicConfig, AnthropicProvider
 from ibex_dataplane.providers.base import ChatRequest, ChatResponse, Provider, StreamEvent
 from ibex_dataplane.providers.catalog import ECHO_PROVIDER, CatalogConfigError, ModelCatalog
 from ibex_dataplane.providers.echo import EchoProvider
@@ -45,10 +47,14 @@ class _OpenAICompatSpec(OpenAICompatConfig):
     type: Literal["openai_compat"] = "openai_compat"
 
 
+class _AnthropicSpec(AnthropicConfig):
+    type: Literal["anthropic"]
+
+
 class _RegistrySpec(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    providers: dict[str, _OpenAICompatSpec] = Field(default_factory=dict)
+    providers: dict[str, _AnthropicSpec | _OpenAICompatSpec] = Field(default_factory=dict)
     fallbacks: dict[str, list[str]] = Field(default_factory=dict)
 
 
@@ -94,12 +100,16 @@ class ProviderRegistry:
         catalog: ModelCatalog,
         session: aiohttp.ClientSession,
     ) -> ProviderRegistry:
-        """Echo plus one ``OpenAICompatProvider`` per ``providers`` entry, sharing ``session`` (owned by the caller)."""
+        """Echo plus one provider per ``providers`` entry (``"type"``: ``openai_compat``, the default, or
+        ``anthropic``), sharing ``session`` (owned by the caller)."""
         spec = _parse(config)
         providers: dict[str, Provider] = {ECHO_PROVIDER: EchoProvider(catalog)}
         for name, provider_spec in spec.providers.items():
-            settings = OpenAICompatConfig(**provider_spec.model_dump(exclude={"type"}))
-            providers[name] = OpenAICompatProvider(name, settings, session, catalog=catalog)
+            fields = provider_spec.model_dump(exclude={"type"})
+            if isinstance(provider_spec, _AnthropicSpec):
+                providers[name] = AnthropicProvider(name, AnthropicConfig(**fields), session, catalog=catalog)
+            else:
+                providers[name] = OpenAICompatProvider(name, OpenAICompatConfig(**fields), session, catalog=catalog)
         try:
             return cls(catalog, providers, spec.fallbacks)
         except (ValueError, LookupError) as e:

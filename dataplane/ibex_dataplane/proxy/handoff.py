@@ -21,7 +21,7 @@ def provider_error_response(e: ProviderError, state: GateState) -> web.Response:
     headers = dict(state.response_headers)
     if e.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(e.retry_after)))
-    elif e.status == 503:  # the upstream named no time (or none was asked): every 503 says when to come back
+    elif e.status in (429, 503):  # the upstream named no time (or none was asked): say when to come back
         headers["Retry-After"] = "1"
     if isinstance(e, UpstreamRejected):
         err = e.body.get("error") if isinstance(e.body, dict) else None
