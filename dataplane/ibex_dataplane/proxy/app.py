@@ -27,6 +27,7 @@ from ibex_dataplane.proxy.context import ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService, decode_directive, encode_directive
 from ibex_dataplane.proxy.edge import CHAT_EDGE
 from ibex_dataplane.proxy.edge_messages import MESSAGES_EDGE
+from ibex_dataplane.proxy.edge_responses import ResponsesEdge
 from ibex_dataplane.proxy.gates import (
     GatePipeline,
     authenticate,
@@ -56,6 +57,7 @@ from ibex_dataplane.proxy.openapi import openapi_document
 from ibex_dataplane.proxy.policy import PolicyService, decode_policy, encode_policy
 from ibex_dataplane.proxy.ratelimit import RateLimiter
 from ibex_dataplane.proxy.repository import ProxyRepository
+from ibex_dataplane.proxy.response_store import ResponseStore
 from ibex_dataplane.proxy.routes import ProtectedRoutes
 from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.runtime.stores import Stores
@@ -215,11 +217,17 @@ def create_app(
     async def messages(request: web.Request) -> web.StreamResponse:
         return await request.app[GENERATION].handle(request, MESSAGES_EDGE)
 
+    response_store = ResponseStore(stores.redis)
+    responses_edge = ResponsesEdge(response_store)
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        return await request.app[GENERATION].handle(request, responses_edge)
+
     app.cleanup_ctx.append(providers_ctx)
 
     routes = ProtectedRoutes(
         keyed=GatePipeline(keyed, metrics), bound=GatePipeline(bound, metrics), catalog=catalog, sessions=sessions,
-        policies=policies, clickhouse=stores.clickhouse, servable=servable,
+        policies=policies, clickhouse=stores.clickhouse, servable=servable, responses=response_store,
     )  # fmt: skip
     health = HealthChecks(
         {
@@ -247,6 +255,8 @@ def create_app(
     add_mcp_routes(app, bound=memory_gates, forwarder=forwarder, sessions=McpSessions(stores.redis), metrics=metrics)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", routes.stored_response)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/me", routes.me)
     app.router.add_get("/v1/usage", routes.usage)

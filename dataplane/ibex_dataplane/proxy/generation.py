@@ -30,7 +30,7 @@ from ibex_dataplane.proxy.context import SKIP_HEADER, ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService
 from ibex_dataplane.proxy.edge import CHAT_EDGE, Edge
 from ibex_dataplane.proxy.gates import GatePipeline, GateState, session_id_of
-from ibex_dataplane.proxy.handoff import FALLBACK_HEADER, provider_error_response, render_context
+from ibex_dataplane.proxy.handoff import FALLBACK_HEADER, keep_answer, provider_error_response, render_context
 from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
 from ibex_dataplane.proxy.repository import AgentPolicy
@@ -363,10 +363,6 @@ class GenerationHandler:
         if plan.fallback_served:
             state.response_headers[FALLBACK_HEADER] = answer.model
         rendered = edge.render(answer.body, answer.usage, render_context(state, plan, answer.model))
-        caller = state.require_caller()
-        _, agent = state.require_agent()
-        work = edge.served(caller.org_id, agent.id, rendered)
-        if work is not None:
-            accounting.background.spawn("store", work)
+        await keep_answer(edge, state, rendered, self._s.metrics)
         return web.Response(body=orjson.dumps(rendered), content_type="application/json",
                             headers=state.response_headers)  # fmt: skip

@@ -3,17 +3,37 @@ context of an answer and the header that says a fallback model answered."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
 from ibex_dataplane.providers.errors import ProviderError, UpstreamRejected
 from ibex_dataplane.proxy.accounting import GenerationPlan
-from ibex_dataplane.proxy.edge import RenderContext
+from ibex_dataplane.proxy.edge import Edge, RenderContext
 from ibex_dataplane.proxy.gates import GateState
+from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.shared.errors import error_response
 
 FALLBACK_HEADER = "X-IBEX-Fallback-Model"
+log = logging.getLogger(__name__)
+
+
+async def keep_answer(edge: Edge, state: GateState, answer: dict[str, Any], metrics: ProxyMetrics) -> None:
+    """Let the edge keep a finished answer (the Responses API stores it) before the client sees its end, so a
+    retrieval right after the answer finds it. A failure degrades (counted), it never fails the answer."""
+    caller = state.require_caller()
+    _, agent = state.require_agent()
+    work = edge.served(caller.org_id, agent.id, answer)
+    if work is None:
+        return
+    try:
+        await asyncio.shield(work)
+    except Exception as e:
+        metrics.degradations.labels(f"{edge.route}_store").inc()
+        log.warning("keeping the answer failed: %s request_id=%s", type(e).__name__, state.request_id)
 
 
 def provider_error_response(e: ProviderError, state: GateState) -> web.Response:

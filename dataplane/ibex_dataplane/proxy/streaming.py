@@ -22,7 +22,7 @@ from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.accounting import Accounting, GenerationPlan, streamed_usage
 from ibex_dataplane.proxy.edge import Edge, RenderContext, StreamEncoder
 from ibex_dataplane.proxy.gates import GateState
-from ibex_dataplane.proxy.handoff import FALLBACK_HEADER, provider_error_response, render_context
+from ibex_dataplane.proxy.handoff import FALLBACK_HEADER, keep_answer, provider_error_response, render_context
 from ibex_dataplane.proxy.metrics import ProxyMetrics
 
 
@@ -74,7 +74,11 @@ async def relay(
                 for frame in encoder.error(e.code, e.message, state.request_id):
                     await response.write(frame)
             else:
-                for frame in encoder.finish(usage, finish_reason):
+                frames = encoder.finish(usage, finish_reason)
+                final = encoder.final()
+                if final is not None:  # kept before the last event, so a retrieval right after finds it
+                    await keep_answer(edge, state, final, metrics)
+                for frame in frames:
                     await response.write(frame)
             await response.write_eof()
     except ProviderError as e:
@@ -93,12 +97,5 @@ async def relay(
     plan.upstream_ms = (time.perf_counter() - started) * 1000
     metrics.provider_calls.labels(plan.provider or plan.model.provider, "ok").inc()
     accounting.after(state, plan, served(), served_by, digest.hexdigest())
-    final = encoder.final() if encoder is not None else None
-    if final is not None:
-        caller = state.require_caller()
-        _, agent = state.require_agent()
-        work = edge.served(caller.org_id, agent.id, final)
-        if work is not None:
-            accounting.background.spawn("store", work)
     assert response is not None
     return response
