@@ -923,8 +923,9 @@ _MESSAGE_EXAMPLE = {
 _RESPONSE_EVENTS: list[dict[str, Any]] = [
     {"type": "response.created", "sequence_number": 0, "response": {**_RESPONSE_EXAMPLE, "status": "in_progress",
                                                                      "output": [], "usage": None}},
-    {"type": "response.output_text.delta", "sequence_number": 4, "item_id": "msg_5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a29",
-     "output_index": 0, "content_index": 0, "delta": "[..."},
+    {"type": "response.output_text.delta", "sequence_number": 4,
+     "item_id": "msg_5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a29", "output_index": 0, "content_index": 0,
+     "delta": "[..."},
     {"type": "response.completed", "sequence_number": 9, "response": _RESPONSE_EXAMPLE},
 ]  # fmt: skip
 _MESSAGE_EVENTS: list[dict[str, Any]] = [
