@@ -124,7 +124,7 @@ async def _data_plane(settings: Settings, stores: Stores, pepper: bytes, host: s
 
         app = create_app(
             settings, stores, pepper=pepper, memory_url=memory_url, context_url=context.address,
-            principal_signer=PrincipalSigner(secret),
+            principal_signer=PrincipalSigner(secret), embedder=embedder,
         )  # fmt: skip
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()

@@ -149,6 +149,10 @@ async def test_every_route_answers_what_the_document_says(proxy: RunningProxy, t
         )
         assert stream_events[0]["type"] == "message_start" and stream_events[-1]["type"] == "message_stop"
         no_max = await c.call("post", "/v1/messages", body={"messages": message["messages"]}, headers=agent, expect=400)
+        vectors = await c.call("post", "/v1/embeddings", body={"model": "ibex-minilm", "input": "Hello"}, headers=agent,
+                               expect=200)  # fmt: skip
+        assert len(vectors["data"][0]["embedding"]) == 384
+        await c.call("post", "/v1/embeddings", body={"model": "ibex-minilm", "input": ""}, headers=agent, expect=400)
         assert no_max["error"]["field_errors"][0]["field"] == "max_tokens"
         terminate = "/v1/sessions/{session_id}/terminate"
         closed_path = f"/v1/sessions/{session['X-IBEX-Session-ID']}/terminate"

@@ -10,6 +10,8 @@ whether the client went away.
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -178,6 +180,42 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return response
 
 
+EMBEDDING = [0.6, 0.8, 0.0]
+EMBEDDING_TOKENS_PER_INPUT = 3
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI's ``/v1/embeddings``: one fixed unit vector per input (base64 when asked), 3 tokens per input."""
+    upstream = request.app[UPSTREAM]
+    script = upstream.script
+    body = await request.json()
+    upstream.bodies.append(body)
+    upstream.headers.append(dict(request.headers))
+    if request.headers.get("Authorization") != f"Bearer {API_KEY}":
+        return web.json_response({"error": {"message": "bad key", "type": "auth"}}, status=401)
+    if len(upstream.bodies) <= script.fail_first:
+        headers = {"Retry-After": script.retry_after} if script.retry_after is not None else None
+        error = script.fail_body or {"error": {"message": f"failure {script.fail_status}", "type": "server_error"}}
+        return web.json_response(error, status=script.fail_status, headers=headers)
+    if script.hang:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            upstream.disconnected.set()
+    inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+    if inputs and isinstance(inputs[0], int):
+        inputs = [inputs]
+    vector: Any = EMBEDDING
+    if body.get("encoding_format") == "base64":
+        vector = base64.b64encode(struct.pack("<3f", *EMBEDDING)).decode()
+    tokens = EMBEDDING_TOKENS_PER_INPUT * len(inputs)
+    return web.json_response({
+        "object": "list", "model": body["model"],
+        "data": [{"object": "embedding", "index": i, "embedding": vector} for i in range(len(inputs))],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    })  # fmt: skip
+
+
 async def set_script(request: web.Request) -> web.Response:
     """``POST /_script`` with Script fields as JSON: how a test drives the upstream when it runs as a process."""
     upstream = request.app[UPSTREAM]
@@ -193,6 +231,7 @@ async def running_upstream() -> AsyncIterator[Upstream]:
     app = web.Application()
     app[UPSTREAM] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/_script", set_script)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
     await runner.setup()

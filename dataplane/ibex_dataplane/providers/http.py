@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from ibex_dataplane.providers.base import ChatRequest, Usage
+from ibex_dataplane.providers.base import ChatRequest, EmbeddingRequest, Usage
 from ibex_dataplane.providers.breaker import CircuitBreaker
 from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.providers.errors import (
@@ -40,6 +40,8 @@ from ibex_dataplane.providers.errors import (
 from ibex_dataplane.providers.tokens import TokenizerFamily, estimate_chat_tokens, estimate_text_tokens
 
 __all__ = ["HttpProvider", "HttpProviderConfig", "retry_after_seconds"]
+
+AnyRequest = ChatRequest | EmbeddingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,8 @@ class HttpProvider:
         self._config = config
         self._session = session
         self._catalog = catalog
-        self._url = config.base_url.rstrip("/") + path
+        self._base_url = config.base_url.rstrip("/")
+        self._url = self._base_url + path
         self._breaker = breaker or CircuitBreaker(
             failure_threshold=config.breaker_failure_threshold, cooldown=config.breaker_cooldown
         )
@@ -116,18 +119,20 @@ class HttpProvider:
 
     # --- attempts ------------------------------------------------------------------------------------------
 
-    def _remaining(self, request: ChatRequest) -> float:
+    def _remaining(self, request: AnyRequest) -> float:
         remaining = request.remaining()
         if remaining <= 0:
             raise ProviderTimeout("deadline passed before the upstream answered", provider=self._name)
         return remaining
 
-    def _timeout_error(self, request: ChatRequest, what: str) -> ProviderError:
+    def _timeout_error(self, request: AnyRequest, what: str) -> ProviderError:
         if request.remaining() <= 0:
             return ProviderTimeout(f"deadline passed while {what}", provider=self._name)
         return ProviderUnavailable(f"upstream went silent while {what}", provider=self._name)
 
-    async def _open(self, request: ChatRequest, payload: bytes, *, accept: str) -> aiohttp.ClientResponse:
+    async def _open(
+        self, request: AnyRequest, payload: bytes, *, accept: str, url: str | None = None
+    ) -> aiohttp.ClientResponse:
         """Send the request until an attempt gets a 200 (returned, unread) or no attempt is left."""
         headers = {**self._headers, "Accept": accept, "X-Request-ID": request.request_id}
         attempt = 0
@@ -137,7 +142,7 @@ class HttpProvider:
             if wait is not None:
                 raise CircuitOpen("provider circuit breaker is open", provider=self._name, retry_after=wait)
             try:
-                return await self._attempt(request, payload, headers)
+                return await self._attempt(request, payload, headers, url or self._url)
             except _Retryable as failure:
                 error = failure.error
                 logger.warning(
@@ -159,12 +164,12 @@ class HttpProvider:
                 await asyncio.sleep(delay)
 
     async def _attempt(
-        self, request: ChatRequest, payload: bytes, headers: Mapping[str, str]
+        self, request: AnyRequest, payload: bytes, headers: Mapping[str, str], url: str
     ) -> aiohttp.ClientResponse:
         remaining = self._remaining(request)
         try:
             async with asyncio.timeout(remaining):
-                response = await self._session.post(self._url, data=payload, headers=headers, timeout=self._timeout)
+                response = await self._session.post(url, data=payload, headers=headers, timeout=self._timeout)
         except TimeoutError as e:
             self._breaker.record_failure()
             error = self._timeout_error(request, "waiting for the upstream")
@@ -182,7 +187,7 @@ class HttpProvider:
         finally:
             response.close()
 
-    async def _raise_for_status(self, request: ChatRequest, response: aiohttp.ClientResponse) -> NoReturn:
+    async def _raise_for_status(self, request: AnyRequest, response: aiohttp.ClientResponse) -> NoReturn:
         status = response.status
         retry_after = retry_after_seconds(response.headers.get("Retry-After"))
         if status == 429:
@@ -223,7 +228,7 @@ class HttpProvider:
             )
         raise ProviderError(f"unexpected upstream status {status}", provider=self._name, upstream_status=status)
 
-    async def _error_body(self, request: ChatRequest, response: aiohttp.ClientResponse) -> dict[str, Any]:
+    async def _error_body(self, request: AnyRequest, response: aiohttp.ClientResponse) -> dict[str, Any]:
         raw = b""
         try:
             async with asyncio.timeout(self._remaining(request)):

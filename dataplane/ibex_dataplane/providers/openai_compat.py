@@ -24,7 +24,16 @@ import aiohttp
 import orjson
 from pydantic import Field
 
-from ibex_dataplane.providers.base import ChatRequest, ChatResponse, StreamChunk, StreamDone, StreamEvent, Usage
+from ibex_dataplane.providers.base import (
+    ChatRequest,
+    ChatResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    StreamChunk,
+    StreamDone,
+    StreamEvent,
+    Usage,
+)
 from ibex_dataplane.providers.breaker import CircuitBreaker
 from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.providers.errors import (
@@ -104,6 +113,39 @@ class OpenAICompatProvider(HttpProvider):
         if usage is None:
             usage = self._estimate_usage(request, _completion_text(parsed["choices"]))
         return ChatResponse(body=parsed, usage=usage, model=request.model, provider=self._name)
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        """``POST /embeddings`` with the client's body (``model`` replaced); the answer is relayed as it came."""
+        body = {**request.body, "model": request.model}
+        response = await self._open(
+            request, orjson.dumps(body), accept="application/json", url=self._base_url + "/embeddings"
+        )
+        try:
+            async with asyncio.timeout(self._remaining(request)):
+                raw = await response.read()
+        except TimeoutError as e:
+            response.close()
+            self._breaker.record_failure()
+            raise self._timeout_error(request, "reading the answer") from e
+        except aiohttp.ClientError as e:
+            response.close()
+            self._breaker.record_failure()
+            raise ProviderError("upstream connection broke while answering", provider=self._name) from e
+        except BaseException:
+            response.close()
+            raise
+        response.release()
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise ProviderError("upstream answered with invalid JSON", provider=self._name) from e
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("data"), list):
+            raise ProviderError("upstream answer is not an embeddings list", provider=self._name)
+        usage = parsed.get("usage")
+        prompt = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+        if not isinstance(prompt, int) or prompt < 0:
+            raise ProviderError("upstream answer reports no usage", provider=self._name)
+        return EmbeddingResponse(parsed, Usage(prompt, 0, estimated=False), request.model, self._name)
 
     @asynccontextmanager
     async def stream(self, request: ChatRequest) -> AsyncIterator[AsyncIterator[StreamEvent]]:

@@ -32,7 +32,15 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ibex_dataplane.providers.anthropic import AnthropicConfig, AnthropicProvider
-from ibex_dataplane.providers.base import ChatRequest, ChatResponse, Provider, StreamEvent
+from ibex_dataplane.providers.base import (
+    ChatRequest,
+    ChatResponse,
+    EmbeddingProvider,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    Provider,
+    StreamEvent,
+)
 from ibex_dataplane.providers.catalog import ECHO_PROVIDER, CatalogConfigError, ModelCatalog
 from ibex_dataplane.providers.echo import EchoProvider
 from ibex_dataplane.providers.errors import ProviderTimeout, ProviderUnavailable
@@ -142,7 +150,12 @@ class ProviderRegistry:
         return provider
 
     def _may_fall_back(
-        self, error: Exception, model: str, index: int, chain: tuple[str, ...], request: ChatRequest
+        self,
+        error: Exception,
+        model: str,
+        index: int,
+        chain: tuple[str, ...],
+        request: ChatRequest | EmbeddingRequest,
     ) -> bool:
         if index + 1 >= len(chain) or request.remaining() <= 0:
             return False
@@ -164,6 +177,27 @@ class ProviderRegistry:
                 return await self.provider_for(model).complete(attempt)
             except (ProviderUnavailable, ProviderTimeout) as e:
                 if not self._may_fall_back(e, model, index, chain, request):
+                    raise
+        raise AssertionError("unreachable: a chain is never empty")  # pragma: no cover
+
+    def can_embed(self, model: str) -> bool:
+        """Whether the provider of ``model`` serves embeddings (configured and able to)."""
+        info = self._catalog.get(model)
+        provider = self._providers.get(info.provider) if info is not None else None
+        return isinstance(provider, EmbeddingProvider)
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        """``embed`` on the request's model, then on its fallbacks while they are unavailable."""
+        chain = self.chain(request.model)
+        for index, model in enumerate(chain):
+            attempt = request if model == request.model else dataclasses.replace(request, model=model)
+            provider = self.provider_for(model)
+            if not isinstance(provider, EmbeddingProvider):
+                raise ProviderUnavailable(f"provider {provider.name!r} serves no embeddings", provider=provider.name)
+            try:
+                return await provider.embed(attempt)
+            except (ProviderUnavailable, ProviderTimeout) as e:
+                if not self._may_fall_back(e, model, index, chain, attempt):
                     raise
         raise AssertionError("unreachable: a chain is never empty")  # pragma: no cover
 

@@ -185,7 +185,7 @@ class Accounting:
                 "tpm",
                 self._rate_limiter.adjust_tokens(caller.org_id, agent.id, plan.limits, delta, window=plan.rate_window),
             )
-        if usage is not None:
+        if usage is not None and plan.session_id:  # embeddings belong to no session
             self.background.spawn(
                 "checkpoint",
                 self._sessions.record_turn(

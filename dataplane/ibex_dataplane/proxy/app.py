@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ibex_dataplane.providers.catalog import ModelCatalog, configured_providers, load_provider_config
+from ibex_dataplane.embedding.base import Embedder
+from ibex_dataplane.providers.catalog import ModelCatalog, ModelKind, configured_providers, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.accounting import Accounting, BackgroundTasks
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
@@ -28,6 +29,7 @@ from ibex_dataplane.proxy.directives import DirectiveService, decode_directive, 
 from ibex_dataplane.proxy.edge import CHAT_EDGE
 from ibex_dataplane.proxy.edge_messages import MESSAGES_EDGE
 from ibex_dataplane.proxy.edge_responses import ResponsesEdge
+from ibex_dataplane.proxy.embeddings import LocalEmbedder
 from ibex_dataplane.proxy.gates import (
     GatePipeline,
     authenticate,
@@ -46,6 +48,7 @@ from ibex_dataplane.proxy.generation import (
     idempotency,
     model_policy,
     rate_limit,
+    validate_embeddings,
     validate_request,
 )
 from ibex_dataplane.proxy.health import HealthChecks
@@ -105,11 +108,12 @@ def create_app(
     memory_url: str | None = None,
     context_url: str | None = None,
     principal_signer: PrincipalSigner | None = None,
+    embedder: Embedder | None = None,
 ) -> web.Application:
     """The proxy. Memory routes reach the stage at ``memory_url`` and chat reaches the context stage at
     ``context_url`` with principals from ``principal_signer``; they default to ``IBEX_MEMORY_URL``,
     ``IBEX_CONTEXT_URL`` and ``IBEX_INTERNAL_SECRET`` (without a secret memory routes answer 503 and context
-    assembly degrades)."""
+    assembly degrades). ``embedder`` serves the built-in embedding model; without one it is loaded on first use."""
     metrics = ProxyMetrics()
     app = web.Application(
         middlewares=[timing_middleware(metrics), envelope_middleware], client_max_size=settings.max_body_bytes
@@ -165,6 +169,8 @@ def create_app(
         metrics=metrics,
     )  # fmt: skip
 
+    local_embedder = LocalEmbedder(embedder, _load_embedder)
+
     async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession()
         registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
@@ -175,6 +181,7 @@ def create_app(
         services = GenerationServices(
             catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets, directives=directives,
             metrics=metrics, accounting=accounting, idempotency=IdempotencyLedger(stores.db), context=context_client,
+            embedder=local_embedder,
         )  # fmt: skip
         app[SERVICES] = services
         generation_pipeline = GatePipeline(
@@ -190,7 +197,17 @@ def create_app(
             ],
             metrics,
         )
-        app[GENERATION] = GenerationHandler(generation_pipeline, services)
+        embedding_pipeline = GatePipeline(
+            [
+                *bound,
+                ("model_policy", model_policy(catalog, servable, ModelKind.EMBEDDING)),
+                ("rate_limit", rate_limit(services.rate_limiter)),
+                ("validation", validate_embeddings),
+                ("budget_hold", budget_hold(budgets, catalog, directives)),
+            ],
+            metrics,
+        )
+        app[GENERATION] = GenerationHandler(generation_pipeline, services, embedding_pipeline)
         await listener.start()
         await analytics.start()
         await context_client.start()
@@ -210,9 +227,13 @@ def create_app(
             await registry.aclose()
             await session.close()
             await context_client.close()
+            local_embedder.close()
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await request.app[GENERATION].handle(request, CHAT_EDGE)
+
+    async def embeddings(request: web.Request) -> web.StreamResponse:
+        return await request.app[GENERATION].embeddings(request)
 
     async def messages(request: web.Request) -> web.StreamResponse:
         return await request.app[GENERATION].handle(request, MESSAGES_EDGE)
@@ -255,6 +276,7 @@ def create_app(
     add_mcp_routes(app, bound=memory_gates, forwarder=forwarder, sessions=McpSessions(stores.redis), metrics=metrics)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/responses/{response_id}", routes.stored_response)
     app.router.add_get("/v1/models", routes.models)
@@ -267,6 +289,13 @@ def create_app(
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi_handler)
     return app
+
+
+def _load_embedder() -> Embedder:
+    """The built-in embedding model from the installed packages (imported here: onnxruntime loads only if used)."""
+    from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder
+
+    return OnnxMiniLMEmbedder.from_installed_packages()
 
 
 async def _sweep(budgets: BudgetService, sessions: SessionService, every: float = 30.0) -> None:

@@ -12,15 +12,15 @@ is settled, the token window corrected, the session checkpoint and the trace wri
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from ibex_dataplane.providers.base import ChatRequest
-from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo
+from ibex_dataplane.providers.base import ChatRequest, EmbeddingRequest
+from ibex_dataplane.providers.catalog import EMBEDDER_PROVIDER, ModelCatalog, ModelInfo, ModelKind
 from ibex_dataplane.providers.errors import ProviderError
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.providers.tokens import estimate_chat_tokens
@@ -29,6 +29,7 @@ from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetPolicy, BudgetServ
 from ibex_dataplane.proxy.context import SKIP_HEADER, ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService
 from ibex_dataplane.proxy.edge import CHAT_EDGE, Edge
+from ibex_dataplane.proxy.embeddings import LocalEmbedder, embed_locally, input_tokens, validate_embeddings_body
 from ibex_dataplane.proxy.gates import GatePipeline, GateState, session_id_of
 from ibex_dataplane.proxy.handoff import FALLBACK_HEADER, keep_answer, provider_error_response, render_context
 from ibex_dataplane.proxy.metrics import ProxyMetrics
@@ -65,6 +66,7 @@ class GenerationServices:
     accounting: Accounting
     idempotency: IdempotencyLedger
     context: ContextClient
+    embedder: LocalEmbedder
 
 
 def _plan(state: GateState) -> GenerationPlan:
@@ -93,12 +95,19 @@ def translated_or_none(state: GateState) -> dict[str, Any] | None:
 # -- generation gates --------------------------------------------------------------------------------------------
 
 
-def model_policy(catalog: ModelCatalog, servable: Callable[[str], str | None] = lambda name: None) -> Any:
+def model_policy(
+    catalog: ModelCatalog,
+    servable: Callable[[str], str | None] = lambda name: None,
+    kind: ModelKind = ModelKind.CHAT,
+) -> Any:
+    """The model named (or the agent's / org's default, for generation) must be of ``kind``, allowed and served."""
+
     async def gate(state: GateState) -> None:
         policy, agent = state.require_agent()
         body = state.json_or_none()  # a broken body is reported by the validation gate, in its turn
         requested = body.get("model") if isinstance(body, dict) and isinstance(body.get("model"), str) else None
-        name = policy.resolve_model(requested or None, agent)
+        # Defaults are chat models: an embeddings call always names its model.
+        name = policy.resolve_model(requested or None, agent) if kind is ModelKind.CHAT else requested or None
         state.extra["model_name"] = name or ""
         if name is None:
             raise ApiError(
@@ -110,6 +119,12 @@ def model_policy(catalog: ModelCatalog, servable: Callable[[str], str | None] = 
         info = catalog.get(name)
         if info is None:
             raise ApiError(404, "NOT_FOUND", f"model '{name}' does not exist")
+        if info.kind is not kind:
+            route = "/v1/embeddings" if info.kind is ModelKind.EMBEDDING else "a generation route"
+            raise ApiError(
+                400, "VALIDATION_ERROR", f"model '{name}' is a {info.kind} model: use it with {route}",
+                field_errors=[{"field": "model", "message": f"must be a {kind} model"}],
+            )  # fmt: skip
         missing = servable(name)
         if missing is not None:  # a configuration gap, not an outage: say which setting closes it
             raise ApiError(
@@ -119,7 +134,8 @@ def model_policy(catalog: ModelCatalog, servable: Callable[[str], str | None] = 
                 field_errors=[{"field": "model", "message": f"provider '{missing}' is not configured"}],
             )  # fmt: skip
         limits = RateLimits(agent_rpm=agent.rpm, agent_tpm=agent.tpm, org_rpm=policy.rpm, org_tpm=policy.tpm)
-        state.extra["generation"] = GenerationPlan(model=info, limits=limits, route=edge_of(state).route)
+        route = edge_of(state).route if kind is ModelKind.CHAT else "embeddings"
+        state.extra["generation"] = GenerationPlan(model=info, limits=limits, route=route)
 
     return gate
 
@@ -138,14 +154,16 @@ def rate_limit(limiter: RateLimiter) -> Any:
         plan = _plan(state)
         caller = state.require_caller()
         _, agent = state.require_agent()
-        body = translated_or_none(state)
+        body = translated_or_none(state) if plan.model.kind is ModelKind.CHAT else None
         messages = body.get("messages") if body is not None else None
-        if body is not None and isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+        if plan.model.kind is ModelKind.EMBEDDING:
+            plan.prompt_tokens = input_tokens(state.json_or_none(), plan.model) or len(state.raw_body)
+        elif body is not None and isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
             tools = body.get("tools") if isinstance(body.get("tools"), list) else None
             plan.prompt_tokens = estimate_chat_tokens(messages, plan.model.tokenizer_family, tools).tokens
         else:
             plan.prompt_tokens = len(state.raw_body)  # bytes bound tokens from above
-        plan.max_output = _max_output(body, plan.model)
+        plan.max_output = _max_output(body, plan.model) if plan.model.kind is ModelKind.CHAT else 0
         plan.charged_tokens = plan.prompt_tokens + plan.max_output
         decision = await limiter.admit(caller.org_id, agent.id, plan.limits, plan.charged_tokens)
         plan.rate_window = decision.window
@@ -165,6 +183,11 @@ async def validate_request(state: GateState) -> None:
     plan = _plan(state)
     body = edge_of(state).to_chat(state.json())
     plan.body = {**body, "model": plan.model.name}
+
+
+async def validate_embeddings(state: GateState) -> None:
+    plan = _plan(state)
+    plan.body = {**validate_embeddings_body(state.json(), plan.model), "model": plan.model.name}
 
 
 class Replay(Exception):
@@ -208,14 +231,15 @@ def budget_hold(budgets: BudgetService, catalog: ModelCatalog, directives: Direc
         policy, agent = state.require_agent()
         # The provider is sent the prompt with the agent's directive in it (the next gate injects it, from the same
         # cache), so the worst case counts it too; and the memories context may add.
-        directive = await directives.active(caller.org_id, agent.id)
+        directive = await directives.active(caller.org_id, agent.id) if plan.model.kind is ModelKind.CHAT else None
         prompt = plan.prompt_tokens
         if directive is not None:
             tools = plan.body.get("tools")
             sent = inject_directive(plan.body["messages"], directive)
             prompt = max(prompt, estimate_chat_tokens(sent, plan.model.tokenizer_family,
                                                       tools if isinstance(tools, list) else None).tokens)  # fmt: skip
-        prompt += memory_allowance(agent)
+        if plan.model.kind is ModelKind.CHAT:
+            prompt += memory_allowance(agent)
         amount = catalog.worst_case_cost(plan.model, prompt, plan.max_output)
         budget = BudgetPolicy(
             org_limit_usd=policy.budget_limit,
@@ -278,8 +302,11 @@ def context_assembly(client: ContextClient) -> Any:
 class GenerationHandler:
     """Runs one generation request of any wire format through the shared pipeline."""
 
-    def __init__(self, pipeline: GatePipeline, services: GenerationServices) -> None:
+    def __init__(
+        self, pipeline: GatePipeline, services: GenerationServices, embedding_pipeline: GatePipeline | None = None
+    ) -> None:
         self._pipeline = pipeline
+        self._embedding_pipeline = embedding_pipeline or pipeline
         self._s = services
 
     @property
@@ -288,13 +315,42 @@ class GenerationHandler:
         return self._pipeline.names
 
     async def handle(self, request: web.Request, edge: Edge = CHAT_EDGE) -> web.StreamResponse:
+        """A generation request in ``edge``'s wire format."""
+
+        async def serve(state: GateState, plan: GenerationPlan) -> web.StreamResponse:
+            chat = ChatRequest(
+                body=plan.body, model=plan.model.name, deadline=time.monotonic() + DEFAULT_DEADLINE,
+                request_id=state.request_id,
+            )  # fmt: skip
+            if plan.body.get("stream") is True:
+                return await relay(state, plan, chat, edge, self._s.providers, self._s.metrics, self._s.accounting)
+            response = await self._complete(state, plan, chat, edge)
+            if plan.claim is not None:
+                await self._finalize(plan.claim, response)
+            return response
+
         state = GateState(request, request_id_of(request), "chat", server_request_id=server_request_id_of(request))
         state.extra["edge"] = edge
+        return await self._run(state, self._pipeline, edge.route, serve)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/embeddings``."""
+        state = GateState(request, request_id_of(request), "chat", server_request_id=server_request_id_of(request))
+        return await self._run(state, self._embedding_pipeline, "embeddings", self._embed)
+
+    async def _run(
+        self,
+        state: GateState,
+        pipeline: GatePipeline,
+        route: str,
+        serve: Callable[[GateState, GenerationPlan], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """The gates, then ``serve``; refusals release what the gates reserved; every outcome is traced."""
         accounting = self._s.accounting
         status, error_code = 500, "INTERNAL_ERROR"
         try:
             try:
-                await self._pipeline.run(state)
+                await pipeline.run(state)
             except Replay as replay:
                 status = replay.stored.status
                 accounting.refund_tokens(state)  # the stored answer is served again: no provider tokens this time
@@ -312,17 +368,7 @@ class GenerationHandler:
                 accounting.refund_tokens(state)  # refused after admission: retries must not burn the token window
                 status, error_code = e.status, e.code
                 raise
-            plan = _plan(state)
-            chat = ChatRequest(
-                body=plan.body, model=plan.model.name, deadline=time.monotonic() + DEFAULT_DEADLINE,
-                request_id=state.request_id,
-            )  # fmt: skip
-            if plan.body.get("stream") is True:
-                response = await relay(state, plan, chat, edge, self._s.providers, self._s.metrics, accounting)
-            else:
-                response = await self._complete(state, plan, chat, edge)
-                if plan.claim is not None:
-                    await self._finalize(plan.claim, response)
+            response = await serve(state, _plan(state))
             status = response.status
             error_code = state.extra.get("error_code", "") if status >= 400 else ""
             return response
@@ -330,7 +376,37 @@ class GenerationHandler:
             status, error_code = e.status, e.code
             raise
         finally:
-            accounting.trace(state, edge.route, status, error_code)
+            accounting.trace(state, route, status, error_code)
+
+    async def _embed(self, state: GateState, plan: GenerationPlan) -> web.StreamResponse:
+        request = EmbeddingRequest(
+            body=plan.body, model=plan.model.name, deadline=time.monotonic() + DEFAULT_DEADLINE,
+            request_id=state.request_id,
+        )  # fmt: skip
+        started = time.perf_counter()
+        accounting = self._s.accounting
+        try:
+            if plan.model.provider == EMBEDDER_PROVIDER:
+                answer = await embed_locally(await self._s.embedder.get(), request, plan.model)
+            else:
+                answer = await self._s.providers.embed(request)
+        except ProviderError as e:
+            self._s.metrics.provider_calls.labels(e.provider, e.code).inc()
+            state.extra["error_code"] = e.code
+            accounting.after(state, plan, None, plan.model.name)
+            return provider_error_response(e, state)
+        except BaseException:
+            accounting.after(state, plan, None, plan.model.name)
+            raise
+        plan.provider = answer.provider
+        plan.upstream_ms = (time.perf_counter() - started) * 1000
+        self._s.metrics.provider_calls.labels(answer.provider, "ok").inc()
+        self._s.metrics.provider_seconds.labels(answer.provider).observe(plan.upstream_ms / 1000)
+        accounting.after(state, plan, answer.usage, answer.model)
+        if plan.fallback_served:
+            state.response_headers[FALLBACK_HEADER] = answer.model
+        return web.Response(body=orjson.dumps(answer.body), content_type="application/json",
+                            headers=state.response_headers)  # fmt: skip
 
     async def _finalize(self, claim: Claim, response: web.StreamResponse) -> None:
         """Record the answer under the idempotency key before returning it; a provider failure frees the key."""

@@ -817,6 +817,60 @@ _MESSAGES_EVENT = {
     },
 }  # fmt: skip
 
+_EMBEDDINGS_REQUEST = {
+    "type": "object",
+    "description": "An OpenAI embeddings body. `ibex-minilm` (built in, 384 dimensions) embeds text; token arrays "
+    "need an upstream model.",
+    "required": ["model", "input"],
+    "additionalProperties": True,
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "maxLength": 256},
+        "input": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+                {"type": "array", "minItems": 1, "items": {"type": "array", "items": {"type": "integer"}}},
+            ]
+        },
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1},
+        "user": {"type": "string"},
+    },
+}
+
+_EMBEDDINGS = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"},
+        "model": {"type": "string"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"const": "embedding"},
+                    "index": {"type": "integer", "minimum": 0},
+                    "embedding": {
+                        "anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}],
+                        "description": "Floats, or with `encoding_format: base64` little-endian float32 bytes.",
+                    },
+                },
+            },
+        },
+        "usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+
 SCHEMAS: dict[str, Any] = {
     "Error": _ERROR,
     "FieldError": _FIELD_ERROR,
@@ -834,6 +888,8 @@ SCHEMAS: dict[str, Any] = {
     "MessagesRequest": _MESSAGES_REQUEST,
     "AnthropicMessage": _ANTHROPIC_MESSAGE,
     "MessagesStreamEvent": _MESSAGES_EVENT,
+    "EmbeddingsRequest": _EMBEDDINGS_REQUEST,
+    "Embeddings": _EMBEDDINGS,
     "TokenUsage": _USAGE_TOKENS,
     "Model": _MODEL,
     "ModelList": _MODEL_LIST,
@@ -936,6 +992,10 @@ _MESSAGE_EVENTS: list[dict[str, Any]] = [
     {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 9}},
     {"type": "message_stop"},
 ]  # fmt: skip
+_EMBEDDINGS_EXAMPLE = {
+    "object": "list", "model": "ibex-minilm", "data": [{"object": "embedding", "index": 0, "embedding": [0.0123]}],
+    "usage": {"prompt_tokens": 2, "total_tokens": 2},
+}  # fmt: skip
 _RESPONSE_ID = {
     "name": "response_id",
     "in": "path",
@@ -1199,6 +1259,29 @@ def _paths() -> dict[str, Any]:
                 errors=(*_BOUND_ERRORS, 404),
                 parameters=(_AGENT, _RESPONSE_ID),
                 description="Answers are kept 30 days per agent: another agent's or organization's id is 404.",
+            )
+        },
+        "/v1/embeddings": {
+            "post": _operation(
+                "createEmbeddings",
+                "OpenAI embeddings: the built-in embedder or an upstream provider",
+                "chat",
+                {
+                    "200": _ok(
+                        "The vectors, in input order.",
+                        "Embeddings",
+                        _EMBEDDINGS_EXAMPLE,
+                        "X-RateLimit-Limit",
+                        "X-RateLimit-Remaining",
+                        "X-RateLimit-Reset",
+                    )
+                },
+                errors=(*_BOUND_ERRORS, 402, 404, 422, 429, 502, 504),
+                parameters=(_AGENT,),
+                body=("EmbeddingsRequest", {"minilm": {"model": "ibex-minilm", "input": ["Hello"]}}),
+                description="Gates: body limit, content type, key and scope `chat`, agent binding, org and agent "
+                "status, model policy (an `embedding` model the organization allows), rate limit (the inputs' "
+                "tokens), validation, budget hold. No memory context.",
             )
         },
         "/v1/messages": {
