@@ -79,7 +79,7 @@ class ProviderRegistry:
     def __init__(
         self,
         catalog: ModelCatalog,
-        providers: Mapping[str, Provider],
+        providers: Mapping[str, Provider | EmbeddingProvider],
         fallbacks: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self._catalog = catalog
@@ -107,11 +107,13 @@ class ProviderRegistry:
         config: Mapping[str, Any],
         catalog: ModelCatalog,
         session: aiohttp.ClientSession,
+        builtin: Mapping[str, Provider | EmbeddingProvider] | None = None,
     ) -> ProviderRegistry:
-        """Echo plus one provider per ``providers`` entry (``"type"``: ``openai_compat``, the default, or
-        ``anthropic``), sharing ``session`` (owned by the caller)."""
+        """Echo, the ``builtin`` providers the caller owns (the proxy's in-process embedder) and one provider per
+        ``providers`` entry (``"type"``: ``openai_compat``, the default, or ``anthropic``), sharing ``session``
+        (owned by the caller)."""
         spec = _parse(config)
-        providers: dict[str, Provider] = {ECHO_PROVIDER: EchoProvider(catalog)}
+        providers: dict[str, Provider | EmbeddingProvider] = {ECHO_PROVIDER: EchoProvider(catalog), **(builtin or {})}
         for name, provider_spec in spec.providers.items():
             fields = provider_spec.model_dump(exclude={"type"})
             if isinstance(provider_spec, _AnthropicSpec):
@@ -142,7 +144,15 @@ class ProviderRegistry:
         return self._chains.get(model, (model,))
 
     def provider_for(self, model: str) -> Provider:
-        """The provider serving ``model``; ``UnknownModel`` if uncatalogued, ``ProviderUnavailable`` if unset."""
+        """The chat provider serving ``model``; ``UnknownModel`` if uncatalogued, ``ProviderUnavailable`` if unset."""
+        provider = self._any_provider(model)
+        if not isinstance(provider, Provider):
+            raise ProviderUnavailable(
+                f"provider of {model!r} serves no chat", provider=self._catalog.require(model).provider
+            )
+        return provider
+
+    def _any_provider(self, model: str) -> Provider | EmbeddingProvider:
         info = self._catalog.require(model)
         provider = self._providers.get(info.provider)
         if provider is None:
@@ -191,9 +201,9 @@ class ProviderRegistry:
         chain = self.chain(request.model)
         for index, model in enumerate(chain):
             attempt = request if model == request.model else dataclasses.replace(request, model=model)
-            provider = self.provider_for(model)
+            provider = self._any_provider(model)
             if not isinstance(provider, EmbeddingProvider):
-                raise ProviderUnavailable(f"provider {provider.name!r} serves no embeddings", provider=provider.name)
+                raise ProviderUnavailable(f"provider of {model!r} serves no embeddings", provider=model)
             try:
                 return await provider.embed(attempt)
             except (ProviderUnavailable, ProviderTimeout) as e:
@@ -225,4 +235,5 @@ class ProviderRegistry:
     async def aclose(self) -> None:
         """Close every provider (each closes only what it owns)."""
         for provider in self._providers.values():
-            await provider.aclose()
+            if isinstance(provider, Provider):
+                await provider.aclose()

@@ -169,11 +169,13 @@ def create_app(
         metrics=metrics,
     )  # fmt: skip
 
-    local_embedder = LocalEmbedder(embedder, _load_embedder)
+    local_embedder = LocalEmbedder(catalog, embedder, _load_embedder)
 
     async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession()
-        registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
+        registry = ProviderRegistry.from_config(
+            provider_config or {}, catalog, session, builtin={local_embedder.name: local_embedder}
+        )
         accounting = Accounting(
             catalog=catalog, budgets=budgets, rate_limiter=rate_limiter, sessions=sessions, analytics=analytics,
             background=background,
@@ -181,7 +183,6 @@ def create_app(
         services = GenerationServices(
             catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets, directives=directives,
             metrics=metrics, accounting=accounting, idempotency=IdempotencyLedger(stores.db), context=context_client,
-            embedder=local_embedder,
         )  # fmt: skip
         app[SERVICES] = services
         generation_pipeline = GatePipeline(

@@ -26,7 +26,7 @@ import numpy as np
 from ibex_dataplane.embedding.base import Embedder
 from ibex_dataplane.embedding.errors import EmbeddingError
 from ibex_dataplane.providers.base import EmbeddingRequest, EmbeddingResponse, Usage
-from ibex_dataplane.providers.catalog import EMBEDDER_PROVIDER, ModelInfo
+from ibex_dataplane.providers.catalog import EMBEDDER_PROVIDER, ModelCatalog, ModelInfo
 from ibex_dataplane.providers.errors import ProviderUnavailable
 from ibex_dataplane.providers.tokens import estimate_text_tokens
 from ibex_dataplane.proxy.accounting import GenerationPlan
@@ -41,9 +41,15 @@ BUILTIN_DIMENSIONS = 384  # all-MiniLM-L6-v2
 
 
 class LocalEmbedder:
-    """The built-in embedder, loaded on first use (or given, when the process already has one: ``ibex dev``)."""
+    """The built-in embedder as an ``EmbeddingProvider`` of the registry (so fallback chains may end in it),
+    loaded on first use (or given, when the process already has one: ``ibex dev``)."""
 
-    def __init__(self, embedder: Embedder | None = None, factory: Callable[[], Embedder] | None = None) -> None:
+    name = EMBEDDER_PROVIDER
+
+    def __init__(
+        self, catalog: ModelCatalog, embedder: Embedder | None = None, factory: Callable[[], Embedder] | None = None
+    ) -> None:
+        self._catalog = catalog
         self._embedder = embedder
         self._factory = factory
         self._owned = False
@@ -64,6 +70,9 @@ class LocalEmbedder:
                                               provider=EMBEDDER_PROVIDER) from e  # fmt: skip
                 self._owned = True
             return self._embedder
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        return await embed_locally(await self.get(), request, self._catalog.require(request.model))
 
     def close(self) -> None:
         closer = getattr(self._embedder, "close", None)

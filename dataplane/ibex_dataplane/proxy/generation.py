@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from ibex_dataplane.providers.base import ChatRequest, EmbeddingRequest
-from ibex_dataplane.providers.catalog import EMBEDDER_PROVIDER, ModelCatalog, ModelInfo, ModelKind
+from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo, ModelKind
 from ibex_dataplane.providers.errors import ProviderError
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.providers.tokens import estimate_chat_tokens
@@ -29,7 +29,7 @@ from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetPolicy, BudgetServ
 from ibex_dataplane.proxy.context import SKIP_HEADER, ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService
 from ibex_dataplane.proxy.edge import CHAT_EDGE, Edge
-from ibex_dataplane.proxy.embeddings import LocalEmbedder, embed_locally, input_tokens, validate_embeddings_body
+from ibex_dataplane.proxy.embeddings import input_tokens, validate_embeddings_body
 from ibex_dataplane.proxy.gates import GatePipeline, GateState, session_id_of
 from ibex_dataplane.proxy.handoff import FALLBACK_HEADER, keep_answer, provider_error_response, render_context
 from ibex_dataplane.proxy.metrics import ProxyMetrics
@@ -66,7 +66,6 @@ class GenerationServices:
     accounting: Accounting
     idempotency: IdempotencyLedger
     context: ContextClient
-    embedder: LocalEmbedder
 
 
 def _plan(state: GateState) -> GenerationPlan:
@@ -386,10 +385,7 @@ class GenerationHandler:
         started = time.perf_counter()
         accounting = self._s.accounting
         try:
-            if plan.model.provider == EMBEDDER_PROVIDER:
-                answer = await embed_locally(await self._s.embedder.get(), request, plan.model)
-            else:
-                answer = await self._s.providers.embed(request)
+            answer = await self._s.providers.embed(request)
         except ProviderError as e:
             self._s.metrics.provider_calls.labels(e.provider, e.code).inc()
             state.extra["error_code"] = e.code
