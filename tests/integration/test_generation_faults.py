@@ -122,6 +122,9 @@ async def test_failures_open_the_breaker_which_fails_fast_until_a_probe_closes_i
     assert status == 503 and orjson.loads(body)["error"]["code"] == "PROVIDER_UNAVAILABLE"
     assert int(response_headers["Retry-After"]) >= 1
     assert len(upstream.bodies) == 2, "an open breaker does not call the upstream"
+    async with ClientSession() as http:
+        scrape = await (await http.get(gateway.base_url + "/metrics")).text()
+    assert 'ibex_proxy_provider_breaker_state{provider="brittle"} 2.0' in scrape
     await asyncio.sleep(COOLDOWN + 0.05)  # the breaker's cool-down is wall-clock time by design
     status, _, _ = await call(gateway, tenant, route, model)  # the half-open probe reaches the upstream
     assert status == 200 and len(upstream.bodies) == 3

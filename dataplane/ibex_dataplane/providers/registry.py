@@ -41,6 +41,7 @@ from ibex_dataplane.providers.base import (
     Provider,
     StreamEvent,
 )
+from ibex_dataplane.providers.breaker import BreakerState, CircuitBreaker
 from ibex_dataplane.providers.catalog import ECHO_PROVIDER, CatalogConfigError, ModelCatalog
 from ibex_dataplane.providers.echo import EchoProvider
 from ibex_dataplane.providers.errors import ProviderTimeout, ProviderUnavailable
@@ -189,6 +190,14 @@ class ProviderRegistry:
                 if not self._may_fall_back(e, model, index, chain, request):
                     raise
         raise AssertionError("unreachable: a chain is never empty")  # pragma: no cover
+
+    def breaker_states(self) -> dict[str, BreakerState]:
+        """The circuit breaker state of every provider that has one (the network providers)."""
+        return {
+            name: breaker.state
+            for name, provider in self._providers.items()
+            if isinstance(breaker := getattr(provider, "breaker", None), CircuitBreaker)
+        }
 
     def can_embed(self, model: str) -> bool:
         """Whether the provider of ``model`` serves embeddings (configured and able to)."""

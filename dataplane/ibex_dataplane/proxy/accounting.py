@@ -132,7 +132,9 @@ class Accounting:
         sessions: SessionService,
         analytics: AnalyticsRecorder,
         background: BackgroundTasks,
+        metrics: ProxyMetrics | None = None,
     ) -> None:
+        self._metrics = metrics
         self._catalog = catalog
         self._budgets = budgets
         self._rate_limiter = rate_limiter
@@ -140,9 +142,14 @@ class Accounting:
         self._analytics = analytics
         self.background = background
 
+    def _count(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.budget_holds.labels(outcome).inc()
+
     def release(self, plan: GenerationPlan) -> None:
         """Nothing was served: let go of the budget hold."""
         if plan.hold is not None:
+            self._count("released")
             self.background.spawn("release", self._budgets.release(plan.hold))
 
     def refund_tokens(self, state: GateState) -> None:
@@ -171,8 +178,10 @@ class Accounting:
             plan.cost = self._catalog.cost(served_by, usage.prompt_tokens, usage.completion_tokens)
         if plan.hold is not None:
             if usage is None:
+                self._count("released")
                 self.background.spawn("release", self._budgets.release(plan.hold))
             else:
+                self._count("settled")
                 self.background.spawn(
                     "settle",
                     self._budgets.settle(plan.hold, plan.cost, model=served_by, prompt_tokens=usage.prompt_tokens,

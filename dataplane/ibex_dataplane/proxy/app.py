@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from ibex_dataplane.embedding.base import Embedder
+from ibex_dataplane.providers.breaker import BreakerState
 from ibex_dataplane.providers.catalog import ModelCatalog, ModelKind, configured_providers, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.accounting import Accounting, BackgroundTasks
@@ -137,9 +138,20 @@ def create_app(
         return None if info is None or info.provider in served_by else info.provider
 
     repo = ProxyRepository(stores.db)
-    key_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_key, decode=decode_key)
-    policy_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_policy, decode=decode_policy)
-    directive_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_directive, decode=decode_directive)
+
+    def lookups(cache: str) -> Any:
+        tiers = {tier: metrics.cache_lookups.labels(cache, tier) for tier in ("local", "redis", "load")}
+        return lambda tier: tiers[tier].inc()
+
+    key_cache: TieredCache[Any] = TieredCache(
+        stores.redis, encode=encode_key, decode=decode_key, on_lookup=lookups("api_key")
+    )
+    policy_cache: TieredCache[Any] = TieredCache(
+        stores.redis, encode=encode_policy, decode=decode_policy, on_lookup=lookups("policy")
+    )
+    directive_cache: TieredCache[Any] = TieredCache(
+        stores.redis, encode=encode_directive, decode=decode_directive, on_lookup=lookups("directive")
+    )
     keys = KeyValidator(repo, key_cache, pepper)
     policies = PolicyService(repo, policy_cache)
     directives = DirectiveService(repo, directive_cache)
@@ -178,8 +190,15 @@ def create_app(
         )
         accounting = Accounting(
             catalog=catalog, budgets=budgets, rate_limiter=rate_limiter, sessions=sessions, analytics=analytics,
-            background=background,
+            background=background, metrics=metrics,
         )  # fmt: skip
+        breaker_levels = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+        def refresh_breakers() -> None:
+            for name, state in registry.breaker_states().items():
+                metrics.breaker_state.labels(name).set(breaker_levels[state])
+
+        metrics.before_render(refresh_breakers)
         services = GenerationServices(
             catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets, directives=directives,
             metrics=metrics, accounting=accounting, idempotency=IdempotencyLedger(stores.db), context=context_client,
@@ -192,7 +211,7 @@ def create_app(
                 ("rate_limit", rate_limit(services.rate_limiter)),
                 ("validation", validate_request),
                 ("idempotency", idempotency(services.idempotency)),
-                ("budget_hold", budget_hold(budgets, catalog, directives)),
+                ("budget_hold", budget_hold(budgets, catalog, directives, metrics)),
                 ("directive_session", directive_and_session(directives)),
                 ("context", context_assembly(context_client)),
             ],
@@ -204,7 +223,7 @@ def create_app(
                 ("model_policy", model_policy(catalog, servable, ModelKind.EMBEDDING)),
                 ("rate_limit", rate_limit(services.rate_limiter)),
                 ("validation", validate_embeddings),
-                ("budget_hold", budget_hold(budgets, catalog, directives)),
+                ("budget_hold", budget_hold(budgets, catalog, directives, metrics)),
             ],
             metrics,
         )

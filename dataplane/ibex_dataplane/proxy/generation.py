@@ -223,7 +223,9 @@ def memory_allowance(agent: AgentPolicy) -> int:
     return agent.memory_context_tokens + MEMORY_FRAMING_ALLOWANCE if agent.memory_enabled else 0
 
 
-def budget_hold(budgets: BudgetService, catalog: ModelCatalog, directives: DirectiveService) -> Any:
+def budget_hold(
+    budgets: BudgetService, catalog: ModelCatalog, directives: DirectiveService, metrics: ProxyMetrics | None = None
+) -> Any:
     async def gate(state: GateState) -> None:
         plan = _plan(state)
         caller = state.require_caller()
@@ -248,7 +250,11 @@ def budget_hold(budgets: BudgetService, catalog: ModelCatalog, directives: Direc
         try:
             plan.hold = await budgets.hold(caller.org_id, agent.id, state.server_request_id, amount, budget)
         except BudgetExceeded as e:
+            if metrics is not None:
+                metrics.budget_holds.labels("refused").inc()
             raise ApiError(402, "BUDGET_EXCEEDED", f"the {e.scope} budget for this month is exhausted") from e
+        if metrics is not None:
+            metrics.budget_holds.labels("placed").inc()
 
     return gate
 
