@@ -195,7 +195,7 @@ def messages_to_chat(body: Any) -> dict[str, Any]:
     choice = body.get("tool_choice")
     if isinstance(choice, Mapping):
         kind = choice.get("type")
-        if kind in _TOOL_CHOICE:
+        if isinstance(kind, str) and kind in _TOOL_CHOICE:
             chat["tool_choice"] = _TOOL_CHOICE[kind]
         elif kind == "tool" and isinstance(choice.get("name"), str):
             chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}

@@ -91,7 +91,7 @@ def _input_messages(items: Any, errors: FieldErrors) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _MESSAGE_ROLES:
+            if not isinstance(role, str) or role not in _MESSAGE_ROLES:
                 errors.append({"field": f"{where}.role", "message": "must be user, assistant, system or developer"})
                 continue
             messages.append({"role": role, "content": _parts(item.get("content"), f"{where}.content", role, errors)})

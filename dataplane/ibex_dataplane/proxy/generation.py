@@ -180,7 +180,9 @@ def rate_limit(limiter: RateLimiter) -> Any:
 
 async def validate_request(state: GateState) -> None:
     plan = _plan(state)
-    body = edge_of(state).to_chat(state.json())
+    # The rate limit gate translated (and so validated) the body already; a broken one is translated again here
+    # for its field errors.
+    body = translated_or_none(state) or edge_of(state).to_chat(state.json())
     plan.body = {**body, "model": plan.model.name}
 
 
