@@ -15,6 +15,7 @@ from openai import AsyncOpenAI
 
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.settings import Settings
+from tests.integration.test_context import FACT, memory_blocks, write
 from tests.support.anthropic_upstream import (
     API_KEY,
     PIECES,
@@ -24,7 +25,7 @@ from tests.support.anthropic_upstream import (
     AnthropicUpstream,
     running_anthropic_upstream,
 )
-from tests.support.proxy import RunningProxy, running_proxy
+from tests.support.proxy import MemoryDeps, RunningProxy, running_proxy
 from tests.support.tenants import Tenant, TenantFactory
 
 MAX_OUTPUT = 1024
@@ -203,3 +204,41 @@ async def test_anthropic_errors_map_to_the_envelope_and_429_keeps_retry_after(
         with pytest.raises(anthropic.RateLimitError) as sdk_limited:
             await client.messages.create(model="claude-up", max_tokens=10, messages=[{"role": "user", "content": "x"}])
         assert sdk_limited.value.response.headers["retry-after"] == "30"
+
+
+# -- memory context reaches Anthropic-routed calls -------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(scope="module")
+async def remembering_gateway(
+    settings: Settings, stores: Stores, pepper: bytes, memory_deps: MemoryDeps, upstream: AnthropicUpstream
+) -> AsyncIterator[RunningProxy]:
+    """The built-in Claude models routed to the local Anthropic upstream, with the memory and context stages."""
+    config = {"providers": {"anthropic": {"type": "anthropic", "base_url": upstream.url, "api_key": API_KEY}}}
+    async with running_proxy(settings, stores, pepper, provider_config=config, memory=memory_deps) as proxy:
+        yield proxy
+
+
+@pytest.mark.parametrize("route", ["chat", "responses", "messages"])
+async def test_memory_context_reaches_an_anthropic_upstream_as_it_reaches_chat(
+    remembering_gateway: RunningProxy, upstream: AnthropicUpstream, tenants: TenantFactory, route: str
+) -> None:
+    t = await tenants.create(directive="Be brief.", org_spec={"models": {"allow": ["claude-*"], "default": "echo"}})
+    memory_id = await write(remembering_gateway, t, FACT)
+    upstream.reset()
+    question = "Which tea does the customer like best?"
+    if route == "chat":
+        async with gpt(remembering_gateway, t) as ai:
+            await ai.chat.completions.create(model="claude-haiku-4-5", messages=[{"role": "user", "content": question}])
+    elif route == "responses":
+        async with gpt(remembering_gateway, t) as ai:
+            await ai.responses.create(model="claude-haiku-4-5", input=question)
+    else:
+        async with claude(remembering_gateway, t) as client:
+            await client.messages.create(
+                model="claude-haiku-4-5", max_tokens=256, messages=[{"role": "user", "content": question}]
+            )
+    sent = upstream.bodies[-1]
+    assert sent["system"].startswith("Be brief. (alpha)")  # the directive first, as for chat
+    assert [(b[1], b[2]) for b in memory_blocks([{"content": sent["system"]}])] == [(memory_id, FACT)]
+    assert sent["messages"] == [{"role": "user", "content": [{"type": "text", "text": question}]}]
