@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from typing import Any
 
 import anthropic
 import pytest
 from anthropic import AsyncAnthropic
 
+from ibex_dataplane.runtime.stores import Stores
 from tests.integration.test_context import FACT, memory_blocks, write
+from tests.integration.test_proxy_upstream import settled
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import Tenant, TenantFactory
 
@@ -50,15 +53,18 @@ async def test_a_message_reaches_the_model_with_system_folded_and_the_directive_
 
 
 async def test_a_streamed_message_accumulates_to_the_same_text_with_usage(
-    proxy: RunningProxy, tenants: TenantFactory
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
 ) -> None:
-    t = await tenants.create(directive=None)
+    t = await tenants.create(directive=None, agent_spec={"budget": {"monthlyLimitUSD": "5.00"}})
     async with claude(proxy, t, **{"X-IBEX-Skip-Memory": "1"}) as client:
         async with client.messages.stream(
             model="echo", max_tokens=1024, messages=[{"role": "user", "content": "stream me"}]
         ) as stream:
             pieces = [text async for text in stream.text_stream]
             final = await stream.get_final_message()
+        rows, streamed_cost, held = await settled(stores, t.org_id)
+        assert rows == 1 and held == 0  # the stream was settled, not released
+        assert streamed_cost == (final.usage.input_tokens * 1 + final.usage.output_tokens * 2) / Decimal(10**6)
         plain = await client.messages.create(
             model="echo", max_tokens=1024, messages=[{"role": "user", "content": "stream me"}]
         )

@@ -14,6 +14,7 @@ from openai import AsyncOpenAI
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.settings import Settings
 from tests.integration.test_context import FACT, memory_blocks, write
+from tests.integration.test_proxy_upstream import settled
 from tests.support.proxy import RunningProxy, running_proxy
 from tests.support.tenants import Tenant, TenantFactory
 from tests.support.upstream import API_KEY, TOOL_ARGUMENTS, Upstream, running_upstream
@@ -102,6 +103,21 @@ async def test_a_streamed_response_matches_the_stored_one_and_only_its_agent_can
     async with ai(proxy, other) as client:  # another org
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(final.id)
+
+
+async def test_an_idempotency_key_replays_the_same_response_without_a_second_charge(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(directive=None, agent_spec={"budget": {"monthlyLimitUSD": "5.00"}})
+    async with ai(proxy, t, **{"Idempotency-Key": "resp-once", "X-IBEX-Skip-Memory": "1"}) as client:
+        first = await client.responses.create(model="echo", input="only once")
+        again = await client.responses.with_raw_response.create(model="echo", input="only once")
+        with pytest.raises(openai.ConflictError) as conflict:
+            await client.responses.create(model="echo", input="another body")
+    assert again.headers["X-Idempotency-Replayed"] == "true" and again.parse().id == first.id
+    assert conflict.value.body["code"] == "IDEMPOTENCY_CONFLICT"  # type: ignore[index]
+    rows, total, held = await settled(stores, t.org_id)
+    assert rows == 1 and total > 0 and held == 0  # one answer, charged once
 
 
 async def test_max_output_tokens_makes_the_response_incomplete(proxy: RunningProxy, tenants: TenantFactory) -> None:

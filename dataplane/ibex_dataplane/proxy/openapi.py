@@ -1097,6 +1097,10 @@ _HEADERS: dict[str, Any] = {
         "schema": {"type": "string", "enum": ["true", "false"]},
     },
     "X-Idempotency-Replayed": {"description": "`true` on a replayed answer.", "schema": {"const": "true"}},
+    "X-IBEX-Fallback-Model": {
+        "description": "The model of the fallback chain that answered, when the requested one was unavailable.",
+        "schema": {"type": "string"},
+    },
 }
 
 
@@ -1193,6 +1197,7 @@ def _paths() -> dict[str, Any]:
             "X-IBEX-Context-Tokens",
             "X-IBEX-Context-Degraded",
             "X-Idempotency-Replayed",
+            "X-IBEX-Fallback-Model",
         ),
         "content": {
             **_json_content("ChatCompletion", {"echo": _CHAT_EXAMPLE}),
@@ -1274,6 +1279,7 @@ def _paths() -> dict[str, Any]:
                         "X-RateLimit-Limit",
                         "X-RateLimit-Remaining",
                         "X-RateLimit-Reset",
+                        "X-IBEX-Fallback-Model",
                     )
                 },
                 errors=(*_BOUND_ERRORS, 402, 404, 422, 429, 502, 504),
