@@ -177,7 +177,12 @@ async def _settle(gateway: RunningProxy, baseline: set[asyncio.Task[Any]]) -> se
     await gateway.app[SERVICES].accounting.background.drain()
     deadline = asyncio.get_running_loop().time() + 5
     while True:
-        left = {t for t in asyncio.all_tasks() if not t.done()} - baseline - {asyncio.current_task()}
+        # Periodic loops (analytics flush, outbox poll) wait with wait_for(event.wait(), interval), which makes a
+        # fresh waiter task every round: those are not the request's.
+        left = {
+            t for t in asyncio.all_tasks()
+            if not t.done() and getattr(t.get_coro(), "__qualname__", "") != "Event.wait"
+        } - baseline - {asyncio.current_task()}  # fmt: skip
         if not left or asyncio.get_running_loop().time() > deadline:
             return left
         await asyncio.sleep(0.02)
