@@ -127,3 +127,11 @@ async def test_embeddings_reach_an_upstream_and_its_errors_map_to_the_envelope(
         with pytest.raises(openai.APIStatusError) as down:
             await client.embeddings.create(model="up-embed", input="x")
         assert down.value.status_code == 503 and down.value.response.headers["Retry-After"]
+
+
+async def test_the_model_list_says_which_models_embed(proxy: RunningProxy, tenants: TenantFactory) -> None:
+    t = await tenants.create(directive=None)
+    async with ai(proxy, t) as client:
+        models = {m.id: getattr(m, "kind", None) async for m in client.models.list()}
+    assert models["ibex-minilm"] == "embedding" and models["echo"] == "chat"
+    assert "text-embedding-3-small" not in models  # catalogued, but no openai provider is configured here

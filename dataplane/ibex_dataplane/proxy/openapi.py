@@ -265,6 +265,11 @@ _MODEL = {
         "owned_by": {"type": "string", "description": "The provider that serves the model."},
         "context_window": {"type": "integer", "minimum": 1},
         "max_output_tokens": {"type": "integer", "minimum": 1},
+        "kind": {
+            "type": "string",
+            "enum": ["chat", "embedding"],
+            "description": "`chat` models serve the generation routes, `embedding` models `/v1/embeddings`.",
+        },
     },
 }
 
@@ -1323,6 +1328,7 @@ def _paths() -> dict[str, Any]:
                                     "owned_by": "echo",
                                     "context_window": 128000,
                                     "max_output_tokens": 16384,
+                                    "kind": "chat",
                                 }
                             ],
                         },

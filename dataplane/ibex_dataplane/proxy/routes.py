@@ -57,7 +57,7 @@ class ProtectedRoutes:
         created = int(time.time())
         data = [
             {"id": m.name, "object": "model", "created": created, "owned_by": m.provider,
-             "context_window": m.context_window, "max_output_tokens": m.max_output_tokens}
+             "context_window": m.context_window, "max_output_tokens": m.max_output_tokens, "kind": str(m.kind)}
             for m in self._catalog
             if policy is not None and policy.model_allowed(m.name) and self._servable(m.name) is None
         ]  # fmt: skip
