@@ -216,3 +216,16 @@ async def test_a_stalled_anthropic_stream_is_cut_the_same_way(
     assert status == 200 and '"code":"PROVIDER_ERROR"' in body.decode()
     await asyncio.wait_for(anthropic_upstream.disconnected.wait(), timeout=5)
     assert not await _settle(gateway, baseline)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_an_upstream_that_never_answers_is_cut_at_the_timeout_on_every_route(
+    gateway: RunningProxy, upstream: Upstream, tenant: Tenant, route: str
+) -> None:
+    baseline = {t for t in asyncio.all_tasks() if not t.done()}
+    upstream.reset(Script(hang=True))
+    status, response_headers, body = await call(gateway, tenant, route, chat_model(route, "brittle"))
+    assert status == 503 and orjson.loads(body)["error"]["code"] == "PROVIDER_UNAVAILABLE"
+    assert int(response_headers["Retry-After"]) >= 1
+    await asyncio.wait_for(upstream.disconnected.wait(), timeout=5)  # the hanging request was abandoned
+    assert not await _settle(gateway, baseline)
