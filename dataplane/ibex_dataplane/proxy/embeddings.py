@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,6 @@ from ibex_dataplane.providers.base import EmbeddingRequest, EmbeddingResponse, U
 from ibex_dataplane.providers.catalog import EMBEDDER_PROVIDER, ModelCatalog, ModelInfo
 from ibex_dataplane.providers.errors import ProviderUnavailable
 from ibex_dataplane.providers.tokens import estimate_text_tokens
-from ibex_dataplane.proxy.accounting import GenerationPlan
-from ibex_dataplane.proxy.gates import GateState
 from ibex_dataplane.shared.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -140,12 +138,6 @@ def input_tokens(body: Any, model: ModelInfo) -> int:
     return 0
 
 
-def plan_of_embedding(state: GateState) -> GenerationPlan:
-    plan = state.extra.get("generation")
-    assert isinstance(plan, GenerationPlan), "model gate did not run"
-    return plan
-
-
 async def embed_locally(embedder: Embedder, request: EmbeddingRequest, model: ModelInfo) -> EmbeddingResponse:
     texts = _texts(request.body.get("input")) or []
     try:
@@ -162,7 +154,3 @@ async def embed_locally(embedder: Embedder, request: EmbeddingRequest, model: Mo
     body = {"object": "list", "data": data, "model": model.name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
     return EmbeddingResponse(body, Usage(tokens, 0, estimated=True), model.name, EMBEDDER_PROVIDER)
-
-
-def inputs_of(body: Any) -> Sequence[str]:
-    return _texts(body.get("input") if isinstance(body, dict) else None) or []
