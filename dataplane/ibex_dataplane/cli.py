@@ -125,7 +125,7 @@ async def _data_plane(settings: Settings, stores: Stores, pepper: bytes, host: s
 
         app = create_app(
             settings, stores, pepper=pepper, memory_url=memory_url, context_url=context.address,
-            principal_signer=PrincipalSigner(secret),
+            principal_signer=PrincipalSigner(secret), embedder=embedder,
         )  # fmt: skip
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -713,6 +713,27 @@ def cmd_mcp(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(run_bridge(args.url, token, args.agent))
 
 
+def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
+    from ibex_dataplane.usage_cli import run_usage
+
+    try:
+        token = Path(args.key_file).read_text().strip()
+    except OSError as e:
+        print(f"ibex usage: cannot read the key file {args.key_file}: {e.strerror}", file=sys.stderr)
+        return 2
+    if not token:
+        print(f"ibex usage: the key file {args.key_file} is empty (it must hold the API key alone)", file=sys.stderr)
+        return 2
+    params = {"group_by": args.group_by}
+    for name in ("from", "to"):
+        value = getattr(args, f"{name}_date")
+        if value:
+            params[name] = value
+    code, text = run_usage(args.url, token, params, args.json)
+    print(text, file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
 def _int_list(value: str) -> list[int]:
     try:
         items = [int(v) for v in value.split(",") if v.strip()]
@@ -828,6 +849,15 @@ def build_parser() -> argparse.ArgumentParser:
     mcp.add_argument("--key-file", required=True, help="file holding the API key alone")
     mcp.add_argument("--agent", required=True, help="the agent to act as (its id, or its name)")
     mcp.set_defaults(func=cmd_mcp)
+
+    usage = _command(sub, "usage", "print an organization's spend and tokens (GET /v1/usage) as a table")
+    usage.add_argument("--url", required=True, help="the proxy's base URL, e.g. http://127.0.0.1:8080")
+    usage.add_argument("--key-file", required=True, help="file holding an API key with the usage:read scope")
+    usage.add_argument("--group-by", choices=("agent", "model", "day"), default="agent", help="rows (default: agent)")
+    usage.add_argument("--from", dest="from_date", default=None, help="first day, YYYY-MM-DD (default: this month)")
+    usage.add_argument("--to", dest="to_date", default=None, help="day after the last, YYYY-MM-DD (default: tomorrow)")
+    usage.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    usage.set_defaults(func=cmd_usage)
 
     op = _command(sub, "operator", "run the Kubernetes operator (Organization, Agent, Directive, ApiKey)")
     op.add_argument(

@@ -13,7 +13,7 @@ import time
 import pytest
 from aiohttp import ClientSession
 
-from ibex_dataplane.proxy.app import CHAT, METRICS
+from ibex_dataplane.proxy.app import GENERATION, METRICS
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.clickhouse import ClickHouse
@@ -25,7 +25,7 @@ from tests.support.tenants import TenantFactory
 def test_the_chat_gates_run_in_the_documented_order(proxy: RunningProxy) -> None:
     documented = table_column("architecture.md", "The protected path")
     assert len(documented) == 12
-    assert proxy.app[CHAT].gate_names == documented
+    assert proxy.app[GENERATION].gate_names == documented
 
 
 async def test_a_write_runs_the_documented_refinery_stages_in_order(

@@ -27,6 +27,7 @@ from ibex_dataplane.providers.errors import (
     ProviderStreamInterrupted,
     ProviderTimeout,
     ProviderUnavailable,
+    UpstreamRateLimited,
     UpstreamRejected,
 )
 from ibex_dataplane.providers.openai_compat import OpenAICompatConfig, OpenAICompatProvider
@@ -151,7 +152,7 @@ async def test_transient_failures_are_retried_before_the_first_byte(
     [
         (500, ProviderError, "PROVIDER_ERROR"),
         (503, ProviderUnavailable, "PROVIDER_UNAVAILABLE"),
-        (429, ProviderUnavailable, "PROVIDER_UNAVAILABLE"),
+        (429, UpstreamRateLimited, "RATE_LIMITED"),
     ],
 )
 async def test_retries_stop_at_max_attempts(

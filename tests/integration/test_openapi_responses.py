@@ -74,7 +74,7 @@ class Contract:
             if ctype == "text/event-stream":
                 events = schema_validator(self.doc, pointer + "/x-ibex-event-schema")
                 lines = [line for line in payload.decode().split("\n") if line.startswith("data: ")]
-                if template != "/mcp":  # MCP's streams end with the answer, chat's with [DONE]
+                if template == "/v1/chat/completions":  # only chat's streams end with [DONE]
                     assert lines.pop() == "data: [DONE]", where
                 parsed = [orjson.loads(line.removeprefix("data: ")) for line in lines]
                 for event in parsed:
@@ -128,6 +128,32 @@ async def test_every_route_answers_what_the_document_says(proxy: RunningProxy, t
             body={**hello, "stream": True, "stream_options": {"include_usage": True}},
         )  # fmt: skip
         assert streamed[-1]["usage"]["total_tokens"] > 0
+
+        # -- the other generation wire formats, and stored responses --
+        ask = {"model": "echo", "instructions": "Be brief.", "input": "Hello"}
+        response = await c.call("post", "/v1/responses", body=ask, headers=agent, expect=200)
+        assert response["object"] == "response" and response["status"] == "completed"
+        events = await c.call("post", "/v1/responses", body={**ask, "stream": True}, headers=agent, expect=200)
+        assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+        stored = "/v1/responses/{response_id}"
+        kept = await c.call("get", stored, path=f"/v1/responses/{response['id']}", headers=agent, expect=200)
+        assert kept["id"] == response["id"]
+        await c.call("get", stored, path="/v1/responses/resp_nope", headers=agent, expect=404)
+        bad_input = await c.call("post", "/v1/responses", body={"input": []}, headers=agent, expect=400)
+        assert bad_input["error"]["field_errors"][0]["field"] == "input"
+        message = {"model": "echo", "max_tokens": 256, "messages": [{"role": "user", "content": "Hello"}]}
+        answer = await c.call("post", "/v1/messages", body=message, headers=agent, expect=200)
+        assert answer["type"] == "message" and answer["stop_reason"] == "end_turn"
+        stream_events = await c.call(
+            "post", "/v1/messages", body={**message, "stream": True}, headers=agent, expect=200
+        )
+        assert stream_events[0]["type"] == "message_start" and stream_events[-1]["type"] == "message_stop"
+        no_max = await c.call("post", "/v1/messages", body={"messages": message["messages"]}, headers=agent, expect=400)
+        vectors = await c.call("post", "/v1/embeddings", body={"model": "ibex-minilm", "input": "Hello"}, headers=agent,
+                               expect=200)  # fmt: skip
+        assert len(vectors["data"][0]["embedding"]) == 384
+        await c.call("post", "/v1/embeddings", body={"model": "ibex-minilm", "input": ""}, headers=agent, expect=400)
+        assert no_max["error"]["field_errors"][0]["field"] == "max_tokens"
         terminate = "/v1/sessions/{session_id}/terminate"
         closed_path = f"/v1/sessions/{session['X-IBEX-Session-ID']}/terminate"
         await c.call("post", terminate, path=closed_path, headers=agent, expect=200)

@@ -165,3 +165,104 @@ async def test_fuzzed_memory_requests_never_cause_a_server_error(proxy: RunningP
 
     await asyncio.to_thread(fuzz_memory)
     await asyncio.to_thread(fuzz_paths)
+
+
+blocks = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "video"]) | json_values},
+        optional={"text": json_values, "source": json_values, "id": json_values, "name": json_values,
+                  "input": json_values, "tool_use_id": json_values, "content": json_values, "is_error": json_values},
+    ),
+    max_size=3,
+)  # fmt: skip
+anthropic_turns = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", 7])},
+                          optional={"content": nasty_text | blocks | json_values}),
+    max_size=3,
+)  # fmt: skip
+messages_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["echo", "ibex-minilm", "nope"]) | json_values,
+        "max_tokens": st.integers(-5, 10**7) | json_values,
+        "system": nasty_text | blocks | json_values,
+        "messages": anthropic_turns | json_values,
+        "stream": st.booleans() | json_values,
+        "tools": st.lists(st.fixed_dictionaries({}, optional={"name": json_values, "input_schema": json_values}),
+                          max_size=2) | json_values,
+        "tool_choice": st.fixed_dictionaries({}, optional={"type": json_values, "name": json_values}) | json_values,
+        "stop_sequences": json_values,
+        "temperature": json_values,
+    },
+)  # fmt: skip
+parts = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "input_image", "input_file", "refusal"]) | json_values},
+        optional={"text": json_values, "image_url": json_values, "refusal": json_values, "detail": json_values},
+    ),
+    max_size=3,
+)  # fmt: skip
+items = st.lists(
+    st.fixed_dictionaries(
+        {},
+        optional={"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])
+                  | json_values, "role": roles | json_values, "content": nasty_text | parts | json_values,
+                  "call_id": json_values, "name": json_values, "arguments": json_values, "output": json_values},
+    ),
+    max_size=4,
+)  # fmt: skip
+responses_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["echo", "ibex-minilm", "nope"]) | json_values,
+        "input": nasty_text | items | json_values,
+        "instructions": json_values,
+        "max_output_tokens": st.integers(-5, 10**7) | json_values,
+        "stream": st.booleans() | json_values,
+        "store": json_values,
+        "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"])},
+                                                optional={"name": json_values, "parameters": json_values}),
+                          max_size=2) | json_values,
+        "tool_choice": json_values,
+        "text": json_values,
+        "previous_response_id": json_values,
+    },
+)  # fmt: skip
+embedding_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["ibex-minilm", "echo", "nope"]) | json_values,
+        "input": nasty_text | st.lists(nasty_text, max_size=3) | st.lists(st.integers(-5, 2**40), max_size=3)
+        | json_values,
+        "encoding_format": st.sampled_from(["float", "base64", "hex"]) | json_values,
+        "dimensions": json_values,
+    },
+)  # fmt: skip
+ANSWERS = {"/messages": "message", "/responses": "response", "/embeddings": "list"}
+
+
+async def test_fuzzed_responses_messages_and_embeddings_never_cause_a_server_error(
+    proxy: RunningProxy, tenants: TenantFactory
+) -> None:
+    t = await tenants.create(agent_spec={"budget": {"monthlyLimitUSD": "100.00"}})
+    good = {"Authorization": f"Bearer {t.keys['alpha']}", "X-IBEX-Agent-ID": str(t.agents["alpha"]),
+            "Content-Type": "application/json", "X-IBEX-Skip-Memory": "1"}  # fmt: skip
+
+    def check_route(path: str, status: int, body: bytes, ctype: str) -> None:
+        assert status < 500, (path, status, body[:300])
+        if status >= 400:
+            assert set(json.loads(body)["error"]) >= {"code", "message", "request_id"}, body[:300]
+        elif "text/event-stream" not in ctype:
+            answer = json.loads(body)
+            assert answer.get("object", answer.get("type")) == ANSWERS[path], body[:300]
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        case=st.tuples(st.just("/messages"), messages_bodies) | st.tuples(st.just("/responses"), responses_bodies)
+        | st.tuples(st.just("/embeddings"), embedding_bodies)
+    )  # fmt: skip
+    def fuzz(case: tuple[str, dict[str, Any]]) -> None:
+        path, body = case
+        check_route(path, *post(proxy.v1 + path, json.dumps(body).encode(), good))
+
+    await asyncio.to_thread(fuzz)

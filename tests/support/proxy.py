@@ -108,7 +108,7 @@ async def running_proxy(
     ):
         app = create_app(
             settings, stores, pepper=pepper, provider_config=provider_config, memory_url=stage.base_url,
-            context_url=context.address, principal_signer=stage.signer,
+            context_url=context.address, principal_signer=stage.signer, embedder=memory.embedder,
         )  # fmt: skip
         async with serve(app) as url:
             yield RunningProxy(url, app, stage, context)

@@ -2,13 +2,16 @@
 
 An aiohttp server on 127.0.0.1 (free port) that answers like OpenAI does, and can be scripted to fail with a
 status N times, hang, answer slowly (a delay before the first byte, a pause between stream chunks), go silent
-mid-stream, drop the connection mid-stream, or omit usage. It records what it received and whether the client went
-away.
+mid-stream, drop the connection mid-stream, or omit usage. With tools and no tool result yet it calls the first
+tool (as a model would); after a tool result it answers with what the tool said. It records what it received and
+whether the client went away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,6 +23,20 @@ from aiohttp import web
 API_KEY = "sk-upstream-test-key"
 PIECES = ["Hel", "lo", ", wor", "ld!"]
 UPSTREAM_USAGE = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
+TOOL_ARGUMENTS = '{"city": "Paris"}'
+TOOL_CALL_ID = "call_up1"
+
+
+def tool_turn(body: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+    """(text answering a tool result, or a tool call to make) for a body with tools; (None, None) without."""
+    messages = body.get("messages") or []
+    last = messages[-1] if messages else {}
+    if last.get("role") == "tool":
+        return f"The tool said: {last.get('content')}", None
+    if body.get("tools"):
+        name = body["tools"][0]["function"]["name"]
+        return None, {"id": TOOL_CALL_ID, "type": "function", "function": {"name": name, "arguments": TOOL_ARGUMENTS}}
+    return None, None
 
 
 @dataclass
@@ -91,6 +108,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             upstream.disconnected.set()
     if script.delay:
         await asyncio.sleep(script.delay)
+    said, call = tool_turn(body)
+    if not body.get("stream") and (said is not None or call is not None):
+        message = {"role": "assistant", "content": said, **({"tool_calls": [call]} if call else {})}
+        finish = "tool_calls" if call else "stop"
+        return web.json_response({
+            "id": "chatcmpl-up", "object": "chat.completion", "created": 1700000000, "model": body["model"],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": UPSTREAM_USAGE,
+        })  # fmt: skip
     if not body.get("stream"):
         answer: dict[str, Any] = {
             "id": "chatcmpl-up",
@@ -113,8 +138,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool((body.get("stream_options") or {}).get("include_usage")) and not script.omit_usage
     extra = {"usage": None} if include_usage else {}
     events = [chunk(body, choices=choice({"role": "assistant", "content": ""}), **extra)]
-    events += [chunk(body, choices=choice({"content": piece}), **extra) for piece in PIECES]
-    events.append(chunk(body, choices=choice({}, "stop"), **extra))
+    if call is not None:
+        opening = {**call, "index": 0, "function": {"name": call["function"]["name"], "arguments": ""}}
+        events.append(chunk(body, choices=choice({"tool_calls": [opening]}), **extra))
+        for part in (TOOL_ARGUMENTS[:7], TOOL_ARGUMENTS[7:]):
+            events.append(chunk(body, choices=choice({"tool_calls": [{"index": 0, "function": {"arguments": part}}]}),
+                                **extra))  # fmt: skip
+        events.append(chunk(body, choices=choice({}, "tool_calls"), **extra))
+    else:
+        pieces = [said] if said is not None else PIECES
+        events += [chunk(body, choices=choice({"content": piece}), **extra) for piece in pieces]
+        events.append(chunk(body, choices=choice({}, "stop"), **extra))
     if include_usage:
         events.append(chunk(body, choices=[], usage=UPSTREAM_USAGE))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -146,6 +180,42 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return response
 
 
+EMBEDDING = [0.6, 0.8, 0.0]
+EMBEDDING_TOKENS_PER_INPUT = 3
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI's ``/v1/embeddings``: one fixed unit vector per input (base64 when asked), 3 tokens per input."""
+    upstream = request.app[UPSTREAM]
+    script = upstream.script
+    body = await request.json()
+    upstream.bodies.append(body)
+    upstream.headers.append(dict(request.headers))
+    if request.headers.get("Authorization") != f"Bearer {API_KEY}":
+        return web.json_response({"error": {"message": "bad key", "type": "auth"}}, status=401)
+    if len(upstream.bodies) <= script.fail_first:
+        headers = {"Retry-After": script.retry_after} if script.retry_after is not None else None
+        error = script.fail_body or {"error": {"message": f"failure {script.fail_status}", "type": "server_error"}}
+        return web.json_response(error, status=script.fail_status, headers=headers)
+    if script.hang:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            upstream.disconnected.set()
+    inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+    if inputs and isinstance(inputs[0], int):
+        inputs = [inputs]
+    vector: Any = EMBEDDING
+    if body.get("encoding_format") == "base64":
+        vector = base64.b64encode(struct.pack("<3f", *EMBEDDING)).decode()
+    tokens = EMBEDDING_TOKENS_PER_INPUT * len(inputs)
+    return web.json_response({
+        "object": "list", "model": body["model"],
+        "data": [{"object": "embedding", "index": i, "embedding": vector} for i in range(len(inputs))],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    })  # fmt: skip
+
+
 async def set_script(request: web.Request) -> web.Response:
     """``POST /_script`` with Script fields as JSON: how a test drives the upstream when it runs as a process."""
     upstream = request.app[UPSTREAM]
@@ -161,6 +231,7 @@ async def running_upstream() -> AsyncIterator[Upstream]:
     app = web.Application()
     app[UPSTREAM] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/_script", set_script)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
     await runner.setup()

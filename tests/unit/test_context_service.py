@@ -7,7 +7,7 @@ import pytest
 from ibex_dataplane.context.formatter import formatter_overhead
 from ibex_dataplane.context.service import BranchReport, BranchStatus, Degradation, _degradation, cold_query
 from ibex_dataplane.providers.tokens import TokenizerFamily
-from ibex_dataplane.proxy.chat import MEMORY_FRAMING_ALLOWANCE
+from ibex_dataplane.proxy.generation import MEMORY_FRAMING_ALLOWANCE
 
 
 def test_the_cold_query_is_the_latest_user_turn() -> None:

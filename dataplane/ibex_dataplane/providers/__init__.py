@@ -1,13 +1,18 @@
 """Model providers: the catalog, conservative token estimates, and the adapters the proxy hands requests to.
 
 The proxy's provider-handoff step talks to a ``ProviderRegistry`` (routing and fallback) built from a
-``ModelCatalog``; adapters implement the ``Provider`` protocol of ``base``: the offline ``echo`` model and any
-OpenAI-compatible upstream. ``tokens`` is shared with the context stage and the budget gate.
+``ModelCatalog``; adapters implement the ``Provider`` protocol of ``base``: the offline ``echo`` model, any
+OpenAI-compatible upstream and Anthropic's Messages API (both on the shared HTTP machinery of ``http``); those
+that embed also implement ``EmbeddingProvider``. ``tokens`` is shared with the context stage and the budget gate.
 """
 
+from ibex_dataplane.providers.anthropic import AnthropicConfig, AnthropicProvider
 from ibex_dataplane.providers.base import (
     ChatRequest,
     ChatResponse,
+    EmbeddingProvider,
+    EmbeddingRequest,
+    EmbeddingResponse,
     Provider,
     StreamChunk,
     StreamDone,
@@ -23,6 +28,7 @@ from ibex_dataplane.providers.errors import (
     ProviderTimeout,
     ProviderUnavailable,
     UnknownModel,
+    UpstreamRateLimited,
     UpstreamRejected,
 )
 from ibex_dataplane.providers.openai_compat import OpenAICompatConfig, OpenAICompatProvider
@@ -36,10 +42,15 @@ from ibex_dataplane.providers.tokens import (
 )
 
 __all__ = [
+    "AnthropicConfig",
+    "AnthropicProvider",
     "ChatRequest",
     "ChatResponse",
     "CircuitOpen",
     "EchoProvider",
+    "EmbeddingProvider",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
     "ModelCatalog",
     "ModelInfo",
     "OpenAICompatConfig",
@@ -57,6 +68,7 @@ __all__ = [
     "TokenEstimateKind",
     "TokenizerFamily",
     "UnknownModel",
+    "UpstreamRateLimited",
     "UpstreamRejected",
     "Usage",
     "estimate_chat_tokens",

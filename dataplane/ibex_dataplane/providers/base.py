@@ -34,6 +34,9 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "ChatRequest",
     "ChatResponse",
+    "EmbeddingProvider",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
     "Provider",
     "StreamChunk",
     "StreamDone",
@@ -129,6 +132,39 @@ class StreamDone:
 
 
 StreamEvent = StreamChunk | StreamDone
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    """One validated OpenAI embeddings call (``body`` as the client sent it; ``model`` the catalog name)."""
+
+    body: Mapping[str, Any]
+    model: str
+    deadline: float
+    request_id: str
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (negative once it has passed)."""
+        return self.deadline - time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingResponse:
+    """An OpenAI embeddings ``list`` body, its usage (completion tokens always 0) and who served it."""
+
+    body: dict[str, Any]
+    usage: Usage
+    model: str
+    provider: str
+
+
+@runtime_checkable
+class EmbeddingProvider(Protocol):
+    """A provider that also serves ``/embeddings``."""
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        """Embed, or raise a ``ProviderError``."""
+        ...
 
 
 @runtime_checkable

@@ -5,13 +5,15 @@ cost arithmetic built on them. The proxy calls ``worst_case_cost`` for the budge
 the context stage reads windows and tokenizer families; the registry routes by ``ModelInfo.provider``.
 
 Built in: the offline ``echo`` model (priced by the caller, 1.00 / 2.00 USD per million by default, so budgets
-are real offline) and a few OpenAI models routed to the ``openai`` provider. Configuration adds or replaces
+are real offline), a few OpenAI models routed to the ``openai`` provider and a few Claude models routed to the
+``anthropic`` provider. Configuration adds or replaces
 entries with the JSON shape ``{"models": [{...}], "providers": {...}}`` (``providers`` is read by the registry;
 here it only tells which provider names exist).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -29,24 +31,38 @@ __all__ = [
     "BUILTIN_PROVIDERS",
     "ECHO_MODEL",
     "ECHO_PROVIDER",
+    "EMBEDDER_MODEL",
+    "EMBEDDER_PROVIDER",
     "OPENAI_PROVIDER",
     "CatalogConfigError",
     "ModelCatalog",
     "ModelInfo",
+    "ModelKind",
     "echo_model",
 ]
 
 ECHO_MODEL: Final = "echo"
 ECHO_PROVIDER: Final = "echo"
+EMBEDDER_MODEL: Final = "ibex-minilm"
+EMBEDDER_PROVIDER: Final = "ibex"  # the built-in, in-process embedder (all-MiniLM-L6-v2)
 OPENAI_PROVIDER: Final = "openai"
-BUILTIN_PROVIDERS: Final = frozenset({ECHO_PROVIDER, OPENAI_PROVIDER})
+ANTHROPIC_PROVIDER: Final = "anthropic"
+BUILTIN_PROVIDERS: Final = frozenset({ECHO_PROVIDER, OPENAI_PROVIDER, ANTHROPIC_PROVIDER, EMBEDDER_PROVIDER})
 
 _MILLION: Final = Decimal(1_000_000)
 
 
+class ModelKind(enum.StrEnum):
+    """What a model does: generation routes take ``chat`` models, ``/v1/embeddings`` takes ``embedding`` ones."""
+
+    CHAT = "chat"
+    EMBEDDING = "embedding"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """Facts about one model. Prices are USD per million tokens."""
+    """Facts about one model. Prices are USD per million tokens. For an embedding model ``context_window`` is
+    the longest input it embeds and ``max_output_tokens`` is 1 (it generates nothing)."""
 
     name: str
     provider: str
@@ -55,6 +71,7 @@ class ModelInfo:
     tokenizer_family: TokenizerFamily
     input_price_per_mtok: Decimal
     output_price_per_mtok: Decimal
+    kind: ModelKind = ModelKind.CHAT
 
     def __post_init__(self) -> None:
         if not self.name or not self.provider:
@@ -81,6 +98,7 @@ class _ModelSpec(BaseModel):
     tokenizer_family: TokenizerFamily = TokenizerFamily.GENERIC
     input_price_per_mtok: Decimal = Field(ge=0)
     output_price_per_mtok: Decimal = Field(ge=0)
+    kind: ModelKind = ModelKind.CHAT
 
 
 class _CatalogSpec(BaseModel):
@@ -103,10 +121,56 @@ def _openai(name: str, window: int, max_out: int, price_in: str, price_out: str)
 
 
 _OPENAI_MODELS: Final = (
+    ModelInfo(
+        "text-embedding-3-small",
+        OPENAI_PROVIDER,
+        8191,
+        1,
+        TokenizerFamily.OPENAI_CL100K,
+        Decimal("0.02"),
+        Decimal(0),
+        ModelKind.EMBEDDING,
+    ),
+    ModelInfo(
+        "text-embedding-3-large",
+        OPENAI_PROVIDER,
+        8191,
+        1,
+        TokenizerFamily.OPENAI_CL100K,
+        Decimal("0.13"),
+        Decimal(0),
+        ModelKind.EMBEDDING,
+    ),
     _openai("gpt-4o", 128_000, 16_384, "2.50", "10.00"),
     _openai("gpt-4o-mini", 128_000, 16_384, "0.15", "0.60"),
     _openai("gpt-4.1", 1_047_576, 32_768, "2.00", "8.00"),
     _openai("gpt-4.1-mini", 1_047_576, 32_768, "0.40", "1.60"),
+)
+
+
+def _anthropic(name: str, window: int, max_out: int, price_in: str, price_out: str) -> ModelInfo:
+    return ModelInfo(
+        name=name,
+        provider=ANTHROPIC_PROVIDER,
+        context_window=window,
+        max_output_tokens=max_out,
+        tokenizer_family=TokenizerFamily.ANTHROPIC,
+        input_price_per_mtok=Decimal(price_in),
+        output_price_per_mtok=Decimal(price_out),
+    )
+
+
+_ANTHROPIC_MODELS: Final = (
+    _anthropic("claude-sonnet-4-5", 200_000, 64_000, "3.00", "15.00"),
+    _anthropic("claude-haiku-4-5", 200_000, 64_000, "1.00", "5.00"),
+    _anthropic("claude-opus-4-1", 200_000, 32_000, "15.00", "75.00"),
+)
+
+
+# Inputs longer than 256 tokens are truncated by the model; priced like a small hosted embedding model so that
+# budgets count it offline too.
+EMBEDDER: Final = ModelInfo(
+    EMBEDDER_MODEL, EMBEDDER_PROVIDER, 256, 1, TokenizerFamily.GENERIC, Decimal("0.02"), Decimal(0), ModelKind.EMBEDDING
 )
 
 
@@ -139,8 +203,11 @@ class ModelCatalog:
         echo_input_price_per_mtok: Decimal = Decimal("1.00"),
         echo_output_price_per_mtok: Decimal = Decimal("2.00"),
     ) -> ModelCatalog:
-        """``echo`` at the given prices plus the built-in OpenAI models."""
-        return cls((echo_model(echo_input_price_per_mtok, echo_output_price_per_mtok), *_OPENAI_MODELS))
+        """``echo`` at the given prices plus the built-in OpenAI and Anthropic models."""
+        return cls(
+            (echo_model(echo_input_price_per_mtok, echo_output_price_per_mtok), EMBEDDER, *_OPENAI_MODELS,
+             *_ANTHROPIC_MODELS)
+        )  # fmt: skip
 
     @classmethod
     def from_config(
@@ -153,7 +220,8 @@ class ModelCatalog:
     ) -> ModelCatalog:
         """Built-ins (unless excluded) plus the ``models`` of ``config``, which replace built-ins of the same name.
 
-        Each model's ``provider`` must be built in (``echo``, ``openai``) or a key of ``config["providers"]``.
+        Each model's ``provider`` must be built in (``echo``, ``openai``, ``anthropic``) or a key of
+        ``config["providers"]``.
         """
         try:
             spec = _CatalogSpec.model_validate(config)
@@ -306,4 +374,4 @@ def configured_providers(config: Mapping[str, Any]) -> frozenset[str]:
     A catalogued model whose provider is not among them cannot be served here (a configuration gap, not an
     outage)."""
     providers = config.get("providers") if isinstance(config, Mapping) else None
-    return frozenset({ECHO_PROVIDER, *(providers.keys() if isinstance(providers, Mapping) else ())})
+    return frozenset({ECHO_PROVIDER, EMBEDDER_PROVIDER, *(providers.keys() if isinstance(providers, Mapping) else ())})

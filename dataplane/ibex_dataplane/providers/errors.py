@@ -17,6 +17,7 @@ __all__ = [
     "ProviderTimeout",
     "ProviderUnavailable",
     "UnknownModel",
+    "UpstreamRateLimited",
     "UpstreamRejected",
 ]
 
@@ -52,6 +53,14 @@ class ProviderUnavailable(ProviderError):
 
     code: ClassVar[str] = "PROVIDER_UNAVAILABLE"
     default_status: ClassVar[int] = 503
+
+
+class UpstreamRateLimited(ProviderUnavailable):
+    """The upstream kept answering 429 through every retry: forwarded as 429 ``RATE_LIMITED`` with the upstream's
+    ``Retry-After``. Still unavailability, so a fallback model may serve instead."""
+
+    code: ClassVar[str] = "RATE_LIMITED"
+    default_status: ClassVar[int] = 429
 
 
 class CircuitOpen(ProviderUnavailable):

@@ -5,18 +5,10 @@ The registry builds one ``OpenAICompatProvider`` per configured upstream and the
 except ``model`` (the resolved catalog name) and the streaming flags; JSON answers and SSE streams are relayed
 (each ``data:`` payload is forwarded as it arrives); usage is taken from the upstream, or estimated when absent.
 
-Resilience, all before the first byte of the upstream's answer only: jittered exponential backoff on connection
-errors, 429 and 5xx (honouring a short ``Retry-After``), up to ``max_attempts``; a circuit breaker per provider;
-the request's deadline bounds every wait, including backoff sleeps. Once an upstream has answered 200 nothing is
-retried: a failure after that is ``ProviderStreamInterrupted`` (or ``ProviderTimeout``). Leaving the stream's
-context (for instance when the client disconnects and the proxy's task is cancelled) closes the upstream
-connection at once.
-
-Upstream status mapping: 400/404/409/413/422 and other 4xx pass through as ``UpstreamRejected`` with the upstream
-body (the client's request is at fault); 401/403 become ``PROVIDER_ERROR`` (our credentials are at fault, and the
-client must not think its own key was refused); 429, 502, 503, 504 and 529 after retries become
-``PROVIDER_UNAVAILABLE``; other 5xx become ``PROVIDER_ERROR``. Logs carry provider, status, attempt and request
-id; never bodies or the API key.
+Retries, the breaker and status mapping are :class:`~ibex_dataplane.providers.http.HttpProvider`'s. Once an
+upstream has answered 200 nothing is retried: a failure after that is ``ProviderStreamInterrupted`` (or
+``ProviderTimeout``). Leaving the stream's context (for instance when the client disconnects and the proxy's task
+is cancelled) closes the upstream connection at once.
 """
 
 from __future__ import annotations
@@ -26,66 +18,49 @@ import logging
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import aiohttp
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field
 
-from ibex_dataplane.providers.base import ChatRequest, ChatResponse, StreamChunk, StreamDone, StreamEvent, Usage
+from ibex_dataplane.providers.base import (
+    ChatRequest,
+    ChatResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    StreamChunk,
+    StreamDone,
+    StreamEvent,
+    Usage,
+)
 from ibex_dataplane.providers.breaker import CircuitBreaker
 from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.providers.errors import (
-    CircuitOpen,
     ProviderError,
     ProviderStreamInterrupted,
     ProviderTimeout,
-    ProviderUnavailable,
-    UpstreamRejected,
 )
+from ibex_dataplane.providers.http import HttpProvider, HttpProviderConfig
 from ibex_dataplane.providers.sse import SSEDecoder
-from ibex_dataplane.providers.tokens import TokenizerFamily, estimate_chat_tokens, estimate_text_tokens
 
 __all__ = ["OpenAICompatConfig", "OpenAICompatProvider"]
 
 logger = logging.getLogger(__name__)
 
 _DONE: Final = b"[DONE]"
-_MAX_ERROR_BODY: Final = 64 * 1024
-_CREDENTIAL_STATUSES: Final = frozenset({401, 403, 407})
-_UNAVAILABLE_STATUSES: Final = frozenset({502, 503, 504, 529})
 
 
-class OpenAICompatConfig(BaseModel):
+class OpenAICompatConfig(HttpProviderConfig):
     """Settings of one OpenAI-compatible upstream (the ``providers`` section of the catalog configuration)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     base_url: str = Field(default="https://api.openai.com/v1", description="Prefix of /chat/completions.")
-    api_key: SecretStr | None = Field(default=None, description="Bearer token for the upstream, if it needs one.")
-    connect_timeout: float = Field(default=5.0, gt=0, description="Seconds to establish a connection.")
-    read_timeout: float = Field(default=60.0, gt=0, description="Longest silence between bytes of an answer.")
-    max_attempts: int = Field(default=3, ge=1, description="Attempts per call, the first one included.")
-    backoff_base: float = Field(default=0.2, gt=0, description="Backoff before retry n: up to base * 2**(n-1) s.")
-    backoff_max: float = Field(default=2.0, gt=0, description="Cap of one backoff sleep (seconds).")
-    max_retry_after: float = Field(default=5.0, ge=0, description="Longer upstream Retry-After: do not retry.")
-    breaker_failure_threshold: int = Field(default=5, ge=1, description="Consecutive failures that open it.")
-    breaker_cooldown: float = Field(default=30.0, gt=0, description="Seconds the breaker stays open.")
     request_stream_usage: bool = Field(
         default=True, description="Ask the upstream for stream usage (stream_options.include_usage)."
     )
-    headers: dict[str, str] = Field(default_factory=dict, description="Extra request headers.")
 
 
-class _Retryable(Exception):
-    """One failed attempt that may be retried; carries the error to raise if no attempt is left."""
-
-    def __init__(self, error: ProviderError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-class OpenAICompatProvider:
+class OpenAICompatProvider(HttpProvider):
     """``Provider`` for an OpenAI-compatible upstream, over a shared ``aiohttp.ClientSession`` it does not own."""
 
     def __init__(
@@ -98,33 +73,12 @@ class OpenAICompatProvider:
         breaker: CircuitBreaker | None = None,
         jitter: Callable[[], float] = random.random,
     ) -> None:
-        self._name = name
-        self._config = config
-        self._session = session
-        self._catalog = catalog
-        self._url = config.base_url.rstrip("/") + "/chat/completions"
-        self._breaker = breaker or CircuitBreaker(
-            failure_threshold=config.breaker_failure_threshold, cooldown=config.breaker_cooldown
-        )
-        self._jitter = jitter
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout
-        )
-        headers = {"Content-Type": "application/json", **config.headers}
-        if config.api_key is not None:
-            headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
-        self._headers: Mapping[str, str] = headers
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def breaker(self) -> CircuitBreaker:
-        return self._breaker
-
-    async def aclose(self) -> None:
-        return None  # the session belongs to whoever created it
+        auth = {"Authorization": f"Bearer {config.api_key.get_secret_value()}"} if config.api_key is not None else {}
+        super().__init__(
+            name, config, session, path="/chat/completions", auth_headers=auth, catalog=catalog, breaker=breaker,
+            jitter=jitter,
+        )  # fmt: skip
+        self._config: OpenAICompatConfig = config
 
     # --- public API ----------------------------------------------------------------------------------------
 
@@ -160,6 +114,39 @@ class OpenAICompatProvider:
             usage = self._estimate_usage(request, _completion_text(parsed["choices"]))
         return ChatResponse(body=parsed, usage=usage, model=request.model, provider=self._name)
 
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        """``POST /embeddings`` with the client's body (``model`` replaced); the answer is relayed as it came."""
+        body = {**request.body, "model": request.model}
+        response = await self._open(
+            request, orjson.dumps(body), accept="application/json", url=self._base_url + "/embeddings"
+        )
+        try:
+            async with asyncio.timeout(self._remaining(request)):
+                raw = await response.read()
+        except TimeoutError as e:
+            response.close()
+            self._breaker.record_failure()
+            raise self._timeout_error(request, "reading the answer") from e
+        except aiohttp.ClientError as e:
+            response.close()
+            self._breaker.record_failure()
+            raise ProviderError("upstream connection broke while answering", provider=self._name) from e
+        except BaseException:
+            response.close()
+            raise
+        response.release()
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise ProviderError("upstream answered with invalid JSON", provider=self._name) from e
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("data"), list):
+            raise ProviderError("upstream answer is not an embeddings list", provider=self._name)
+        usage = parsed.get("usage")
+        prompt = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+        if not isinstance(prompt, int) or prompt < 0:
+            raise ProviderError("upstream answer reports no usage", provider=self._name)
+        return EmbeddingResponse(parsed, Usage(prompt, 0, estimated=False), request.model, self._name)
+
     @asynccontextmanager
     async def stream(self, request: ChatRequest) -> AsyncIterator[AsyncIterator[StreamEvent]]:
         body = dict(request.body)
@@ -180,131 +167,6 @@ class OpenAICompatProvider:
                 response.release()
             else:
                 response.close()  # drop the connection: the upstream sees the disconnect and stops generating
-
-    # --- attempts ------------------------------------------------------------------------------------------
-
-    def _remaining(self, request: ChatRequest) -> float:
-        remaining = request.remaining()
-        if remaining <= 0:
-            raise ProviderTimeout("deadline passed before the upstream answered", provider=self._name)
-        return remaining
-
-    def _timeout_error(self, request: ChatRequest, what: str) -> ProviderError:
-        if request.remaining() <= 0:
-            return ProviderTimeout(f"deadline passed while {what}", provider=self._name)
-        return ProviderUnavailable(f"upstream went silent while {what}", provider=self._name)
-
-    async def _open(self, request: ChatRequest, payload: bytes, *, accept: str) -> aiohttp.ClientResponse:
-        """Send the request until an attempt gets a 200 (returned, unread) or no attempt is left."""
-        headers = {**self._headers, "Accept": accept, "X-Request-ID": request.request_id}
-        attempt = 0
-        while True:
-            attempt += 1
-            wait = self._breaker.allow()
-            if wait is not None:
-                raise CircuitOpen("provider circuit breaker is open", provider=self._name, retry_after=wait)
-            try:
-                return await self._attempt(request, payload, headers)
-            except _Retryable as failure:
-                error = failure.error
-                logger.warning(
-                    "provider attempt failed provider=%s attempt=%d status=%s code=%s request_id=%s",
-                    self._name,
-                    attempt,
-                    error.upstream_status,
-                    error.code,
-                    request.request_id,
-                )
-                if attempt >= self._config.max_attempts:
-                    raise error from failure.__cause__
-                if error.retry_after is not None and error.retry_after > self._config.max_retry_after:
-                    raise error from failure.__cause__
-                cap = min(self._config.backoff_max, self._config.backoff_base * 2 ** (attempt - 1))
-                delay = max(cap * self._jitter(), error.retry_after or 0.0)
-                if delay >= request.remaining():
-                    raise error from failure.__cause__
-                await asyncio.sleep(delay)
-
-    async def _attempt(
-        self, request: ChatRequest, payload: bytes, headers: Mapping[str, str]
-    ) -> aiohttp.ClientResponse:
-        remaining = self._remaining(request)
-        try:
-            async with asyncio.timeout(remaining):
-                response = await self._session.post(self._url, data=payload, headers=headers, timeout=self._timeout)
-        except TimeoutError as e:
-            self._breaker.record_failure()
-            error = self._timeout_error(request, "waiting for the upstream")
-            if isinstance(error, ProviderTimeout):
-                raise error from e
-            raise _Retryable(error) from e
-        except aiohttp.ClientError as e:
-            self._breaker.record_failure()
-            raise _Retryable(ProviderUnavailable("cannot reach the upstream", provider=self._name)) from e
-        if response.status == 200:
-            self._breaker.record_success()
-            return response
-        try:
-            await self._raise_for_status(request, response)
-        finally:
-            response.close()
-
-    async def _raise_for_status(self, request: ChatRequest, response: aiohttp.ClientResponse) -> NoReturn:
-        status = response.status
-        retry_after = _retry_after(response.headers.get("Retry-After"))
-        if status == 429:
-            raise _Retryable(
-                ProviderUnavailable(
-                    "upstream is rate limiting", provider=self._name, retry_after=retry_after, upstream_status=status
-                )
-            )
-        if status >= 500:
-            self._breaker.record_failure()
-            kind = ProviderUnavailable if status in _UNAVAILABLE_STATUSES else ProviderError
-            raise _Retryable(
-                kind(
-                    f"upstream failed with status {status}",
-                    provider=self._name,
-                    retry_after=retry_after,
-                    upstream_status=status,
-                )
-            )
-        self._breaker.record_success()  # the upstream is healthy; it refused this request
-        if status in _CREDENTIAL_STATUSES:
-            logger.error(
-                "upstream refused our credentials provider=%s status=%d request_id=%s",
-                self._name,
-                status,
-                request.request_id,
-            )
-            raise ProviderError(
-                "upstream refused the gateway's credentials", provider=self._name, upstream_status=status
-            )
-        if 400 <= status < 500:
-            body = await self._error_body(request, response)
-            raise UpstreamRejected(
-                f"upstream rejected the request with status {status}",
-                provider=self._name,
-                upstream_status=status,
-                body=body,
-            )
-        raise ProviderError(f"unexpected upstream status {status}", provider=self._name, upstream_status=status)
-
-    async def _error_body(self, request: ChatRequest, response: aiohttp.ClientResponse) -> dict[str, Any]:
-        raw = b""
-        try:
-            async with asyncio.timeout(self._remaining(request)):
-                raw = await response.content.read(_MAX_ERROR_BODY)
-        except (TimeoutError, aiohttp.ClientError, ProviderTimeout):
-            pass
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            parsed = None
-        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-            return parsed
-        message = raw.decode("utf-8", errors="replace")[:1000] or f"status {response.status}"
-        return {"error": {"message": message, "type": "upstream_error", "param": None, "code": None}}
 
     # --- streaming -----------------------------------------------------------------------------------------
 
@@ -370,15 +232,6 @@ class OpenAICompatProvider:
             usage = self._estimate_usage(request, "".join(completion))
         yield StreamDone(usage, finish_reason, request.model, self._name)
 
-    # --- usage ---------------------------------------------------------------------------------------------
-
-    def _estimate_usage(self, request: ChatRequest, completion_text: str) -> Usage:
-        info = self._catalog.get(request.model) if self._catalog is not None else None
-        family = info.tokenizer_family if info is not None else TokenizerFamily.GENERIC
-        tools = request.body.get("tools")
-        prompt = estimate_chat_tokens(request.messages, family, tools=tools if isinstance(tools, list) else None)
-        return Usage(prompt.tokens, estimate_text_tokens(completion_text, family), estimated=True)
-
 
 class _StreamState:
     __slots__ = ("finished",)
@@ -394,16 +247,6 @@ def _reported_usage(value: object) -> Usage | None:
     if isinstance(prompt, int) and isinstance(completion, int) and prompt >= 0 and completion >= 0:
         return Usage(prompt, completion, estimated=False)
     return None
-
-
-def _retry_after(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None  # an HTTP date: rare from model APIs; fall back to our own backoff
-    return seconds if seconds >= 0 else None
 
 
 def _collect_delta(delta: object, into: list[str]) -> None:

@@ -15,7 +15,8 @@ no higher), so the budget hold placed for the requested model still covers which
 
     {"models": [...],
      "providers": {"openai": {"type": "openai_compat", "api_key": "...", ...},
-                   "local-vllm": {"type": "openai_compat", "base_url": "http://127.0.0.1:8000/v1"}},
+                   "local-vllm": {"type": "openai_compat", "base_url": "http://127.0.0.1:8000/v1"},
+                   "anthropic": {"type": "anthropic", "api_key_env": "ANTHROPIC_API_KEY"}},
      "fallbacks": {"gpt-4o": ["gpt-4o-mini", "echo"]}}
 """
 
@@ -23,14 +24,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Literal
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ibex_dataplane.providers.base import ChatRequest, ChatResponse, Provider, StreamEvent
+from ibex_dataplane.providers.anthropic import AnthropicConfig, AnthropicProvider
+from ibex_dataplane.providers.base import (
+    ChatRequest,
+    ChatResponse,
+    EmbeddingProvider,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    Provider,
+    StreamEvent,
+)
+from ibex_dataplane.providers.breaker import BreakerState, CircuitBreaker
 from ibex_dataplane.providers.catalog import ECHO_PROVIDER, CatalogConfigError, ModelCatalog
 from ibex_dataplane.providers.echo import EchoProvider
 from ibex_dataplane.providers.errors import ProviderTimeout, ProviderUnavailable
@@ -45,10 +56,14 @@ class _OpenAICompatSpec(OpenAICompatConfig):
     type: Literal["openai_compat"] = "openai_compat"
 
 
+class _AnthropicSpec(AnthropicConfig):
+    type: Literal["anthropic"]
+
+
 class _RegistrySpec(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    providers: dict[str, _OpenAICompatSpec] = Field(default_factory=dict)
+    providers: dict[str, _AnthropicSpec | _OpenAICompatSpec] = Field(default_factory=dict)
     fallbacks: dict[str, list[str]] = Field(default_factory=dict)
 
 
@@ -65,7 +80,7 @@ class ProviderRegistry:
     def __init__(
         self,
         catalog: ModelCatalog,
-        providers: Mapping[str, Provider],
+        providers: Mapping[str, Provider | EmbeddingProvider],
         fallbacks: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self._catalog = catalog
@@ -93,13 +108,19 @@ class ProviderRegistry:
         config: Mapping[str, Any],
         catalog: ModelCatalog,
         session: aiohttp.ClientSession,
+        builtin: Mapping[str, Provider | EmbeddingProvider] | None = None,
     ) -> ProviderRegistry:
-        """Echo plus one ``OpenAICompatProvider`` per ``providers`` entry, sharing ``session`` (owned by the caller)."""
+        """Echo, the ``builtin`` providers the caller owns (the proxy's in-process embedder) and one provider per
+        ``providers`` entry (``"type"``: ``openai_compat``, the default, or ``anthropic``), sharing ``session``
+        (owned by the caller)."""
         spec = _parse(config)
-        providers: dict[str, Provider] = {ECHO_PROVIDER: EchoProvider(catalog)}
+        providers: dict[str, Provider | EmbeddingProvider] = {ECHO_PROVIDER: EchoProvider(catalog), **(builtin or {})}
         for name, provider_spec in spec.providers.items():
-            settings = OpenAICompatConfig(**provider_spec.model_dump(exclude={"type"}))
-            providers[name] = OpenAICompatProvider(name, settings, session, catalog=catalog)
+            fields = provider_spec.model_dump(exclude={"type"})
+            if isinstance(provider_spec, _AnthropicSpec):
+                providers[name] = AnthropicProvider(name, AnthropicConfig(**fields), session, catalog=catalog)
+            else:
+                providers[name] = OpenAICompatProvider(name, OpenAICompatConfig(**fields), session, catalog=catalog)
         try:
             return cls(catalog, providers, spec.fallbacks)
         except (ValueError, LookupError) as e:
@@ -124,7 +145,15 @@ class ProviderRegistry:
         return self._chains.get(model, (model,))
 
     def provider_for(self, model: str) -> Provider:
-        """The provider serving ``model``; ``UnknownModel`` if uncatalogued, ``ProviderUnavailable`` if unset."""
+        """The chat provider serving ``model``; ``UnknownModel`` if uncatalogued, ``ProviderUnavailable`` if unset."""
+        provider = self._any_provider(model)
+        if not isinstance(provider, Provider):
+            raise ProviderUnavailable(
+                f"provider of {model!r} serves no chat", provider=self._catalog.require(model).provider
+            )
+        return provider
+
+    def _any_provider(self, model: str) -> Provider | EmbeddingProvider:
         info = self._catalog.require(model)
         provider = self._providers.get(info.provider)
         if provider is None:
@@ -132,7 +161,12 @@ class ProviderRegistry:
         return provider
 
     def _may_fall_back(
-        self, error: Exception, model: str, index: int, chain: tuple[str, ...], request: ChatRequest
+        self,
+        error: Exception,
+        model: str,
+        index: int,
+        chain: tuple[str, ...],
+        request: ChatRequest | EmbeddingRequest,
     ) -> bool:
         if index + 1 >= len(chain) or request.remaining() <= 0:
             return False
@@ -157,9 +191,41 @@ class ProviderRegistry:
                     raise
         raise AssertionError("unreachable: a chain is never empty")  # pragma: no cover
 
+    def breaker_states(self) -> dict[str, BreakerState]:
+        """The circuit breaker state of every provider that has one (the network providers)."""
+        return {
+            name: breaker.state
+            for name, provider in self._providers.items()
+            if isinstance(breaker := getattr(provider, "breaker", None), CircuitBreaker)
+        }
+
+    def can_embed(self, model: str) -> bool:
+        """Whether the provider of ``model`` serves embeddings (configured and able to)."""
+        info = self._catalog.get(model)
+        provider = self._providers.get(info.provider) if info is not None else None
+        return isinstance(provider, EmbeddingProvider)
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        """``embed`` on the request's model, then on its fallbacks while they are unavailable."""
+        chain = self.chain(request.model)
+        for index, model in enumerate(chain):
+            attempt = request if model == request.model else dataclasses.replace(request, model=model)
+            provider = self._any_provider(model)
+            if not isinstance(provider, EmbeddingProvider):
+                raise ProviderUnavailable(f"provider of {model!r} serves no embeddings", provider=model)
+            try:
+                return await provider.embed(attempt)
+            except (ProviderUnavailable, ProviderTimeout) as e:
+                if not self._may_fall_back(e, model, index, chain, attempt):
+                    raise
+        raise AssertionError("unreachable: a chain is never empty")  # pragma: no cover
+
     @asynccontextmanager
-    async def stream(self, request: ChatRequest) -> AsyncIterator[AsyncIterator[StreamEvent]]:
-        """``Provider.stream`` with fallback while opening; once a stream is open it is the answer."""
+    async def stream(
+        self, request: ChatRequest, on_open: Callable[[str], None] | None = None
+    ) -> AsyncIterator[AsyncIterator[StreamEvent]]:
+        """``Provider.stream`` with fallback while opening; once a stream is open it is the answer. ``on_open`` is
+        told which model of the chain opened it (before the first event, so a header can say so)."""
         chain = self.chain(request.model)
         async with AsyncExitStack() as stack:
             for index, model in enumerate(chain):
@@ -170,10 +236,13 @@ class ProviderRegistry:
                     if not self._may_fall_back(e, model, index, chain, request):
                         raise
                     continue
+                if on_open is not None:
+                    on_open(model)
                 yield events
                 return
 
     async def aclose(self) -> None:
         """Close every provider (each closes only what it owns)."""
         for provider in self._providers.values():
-            await provider.aclose()
+            if isinstance(provider, Provider):
+                await provider.aclose()

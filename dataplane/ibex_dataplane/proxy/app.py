@@ -16,26 +16,21 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ibex_dataplane.providers.catalog import ModelCatalog, configured_providers, load_provider_config
+from ibex_dataplane.embedding.base import Embedder
+from ibex_dataplane.providers.breaker import BreakerState
+from ibex_dataplane.providers.catalog import ModelCatalog, ModelKind, configured_providers, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
+from ibex_dataplane.proxy.accounting import Accounting, BackgroundTasks
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
 from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
 from ibex_dataplane.proxy.budget import BudgetService
 from ibex_dataplane.proxy.cache import InvalidationListener, TieredCache
-from ibex_dataplane.proxy.chat import (
-    BackgroundTasks,
-    ChatHandler,
-    ChatServices,
-    budget_hold,
-    context_assembly,
-    directive_and_session,
-    idempotency,
-    model_policy,
-    rate_limit,
-    validate_request,
-)
 from ibex_dataplane.proxy.context import ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService, decode_directive, encode_directive
+from ibex_dataplane.proxy.edge import CHAT_EDGE
+from ibex_dataplane.proxy.edge_messages import MESSAGES_EDGE
+from ibex_dataplane.proxy.edge_responses import ResponsesEdge
+from ibex_dataplane.proxy.embeddings import LocalEmbedder
 from ibex_dataplane.proxy.gates import (
     GatePipeline,
     authenticate,
@@ -44,6 +39,18 @@ from ibex_dataplane.proxy.gates import (
     json_content_type,
     request_rate_limit,
     tenant_status,
+)
+from ibex_dataplane.proxy.generation import (
+    GenerationHandler,
+    GenerationServices,
+    budget_hold,
+    context_assembly,
+    directive_and_session,
+    idempotency,
+    model_policy,
+    rate_limit,
+    validate_embeddings,
+    validate_request,
 )
 from ibex_dataplane.proxy.health import HealthChecks
 from ibex_dataplane.proxy.mcp import add_mcp_routes
@@ -54,6 +61,7 @@ from ibex_dataplane.proxy.openapi import openapi_document
 from ibex_dataplane.proxy.policy import PolicyService, decode_policy, encode_policy
 from ibex_dataplane.proxy.ratelimit import RateLimiter
 from ibex_dataplane.proxy.repository import ProxyRepository
+from ibex_dataplane.proxy.response_store import ResponseStore
 from ibex_dataplane.proxy.routes import ProtectedRoutes
 from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.runtime.stores import Stores
@@ -69,8 +77,8 @@ log = logging.getLogger(__name__)
 STORES = web.AppKey("stores", Stores)
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", ProxyMetrics)
-SERVICES = web.AppKey("chat_services", ChatServices)
-CHAT = web.AppKey("chat_handler", ChatHandler)
+SERVICES = web.AppKey("generation_services", GenerationServices)
+GENERATION = web.AppKey("generation_handler", GenerationHandler)
 
 
 def _on_invalidation(keys: TieredCache[Any], policies: TieredCache[Any], directives: TieredCache[Any]) -> Any:
@@ -101,11 +109,12 @@ def create_app(
     memory_url: str | None = None,
     context_url: str | None = None,
     principal_signer: PrincipalSigner | None = None,
+    embedder: Embedder | None = None,
 ) -> web.Application:
     """The proxy. Memory routes reach the stage at ``memory_url`` and chat reaches the context stage at
     ``context_url`` with principals from ``principal_signer``; they default to ``IBEX_MEMORY_URL``,
     ``IBEX_CONTEXT_URL`` and ``IBEX_INTERNAL_SECRET`` (without a secret memory routes answer 503 and context
-    assembly degrades)."""
+    assembly degrades). ``embedder`` serves the built-in embedding model; without one it is loaded on first use."""
     metrics = ProxyMetrics()
     app = web.Application(
         middlewares=[timing_middleware(metrics), envelope_middleware], client_max_size=settings.max_body_bytes
@@ -129,9 +138,20 @@ def create_app(
         return None if info is None or info.provider in served_by else info.provider
 
     repo = ProxyRepository(stores.db)
-    key_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_key, decode=decode_key)
-    policy_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_policy, decode=decode_policy)
-    directive_cache: TieredCache[Any] = TieredCache(stores.redis, encode=encode_directive, decode=decode_directive)
+
+    def lookups(cache: str) -> Any:
+        tiers = {tier: metrics.cache_lookups.labels(cache, tier) for tier in ("local", "redis", "load")}
+        return lambda tier: tiers[tier].inc()
+
+    key_cache: TieredCache[Any] = TieredCache(
+        stores.redis, encode=encode_key, decode=decode_key, on_lookup=lookups("api_key")
+    )
+    policy_cache: TieredCache[Any] = TieredCache(
+        stores.redis, encode=encode_policy, decode=decode_policy, on_lookup=lookups("policy")
+    )
+    directive_cache: TieredCache[Any] = TieredCache(
+        stores.redis, encode=encode_directive, decode=decode_directive, on_lookup=lookups("directive")
+    )
     keys = KeyValidator(repo, key_cache, pepper)
     policies = PolicyService(repo, policy_cache)
     directives = DirectiveService(repo, directive_cache)
@@ -161,29 +181,53 @@ def create_app(
         metrics=metrics,
     )  # fmt: skip
 
+    local_embedder = LocalEmbedder(catalog, embedder, _load_embedder)
+
     async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession()
-        registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
-        services = ChatServices(
-            catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets,
-            directives=directives, sessions=sessions, metrics=metrics, background=background, analytics=analytics,
-            idempotency=IdempotencyLedger(stores.db), context=context_client,
+        registry = ProviderRegistry.from_config(
+            provider_config or {}, catalog, session, builtin={local_embedder.name: local_embedder}
+        )
+        accounting = Accounting(
+            catalog=catalog, budgets=budgets, rate_limiter=rate_limiter, sessions=sessions, analytics=analytics,
+            background=background, metrics=metrics,
+        )  # fmt: skip
+        breaker_levels = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+        def refresh_breakers() -> None:
+            for name, state in registry.breaker_states().items():
+                metrics.breaker_state.labels(name).set(breaker_levels[state])
+
+        metrics.before_render(refresh_breakers)
+        services = GenerationServices(
+            catalog=catalog, providers=registry, rate_limiter=rate_limiter, budgets=budgets, directives=directives,
+            metrics=metrics, accounting=accounting, idempotency=IdempotencyLedger(stores.db), context=context_client,
         )  # fmt: skip
         app[SERVICES] = services
-        chat_pipeline = GatePipeline(
+        generation_pipeline = GatePipeline(
             [
                 *bound,
                 ("model_policy", model_policy(catalog, servable)),
                 ("rate_limit", rate_limit(services.rate_limiter)),
                 ("validation", validate_request),
                 ("idempotency", idempotency(services.idempotency)),
-                ("budget_hold", budget_hold(budgets, catalog, directives)),
+                ("budget_hold", budget_hold(budgets, catalog, directives, metrics)),
                 ("directive_session", directive_and_session(directives)),
                 ("context", context_assembly(context_client)),
             ],
             metrics,
         )
-        app[CHAT] = ChatHandler(chat_pipeline, services)
+        embedding_pipeline = GatePipeline(
+            [
+                *bound,
+                ("model_policy", model_policy(catalog, servable, ModelKind.EMBEDDING)),
+                ("rate_limit", rate_limit(services.rate_limiter)),
+                ("validation", validate_embeddings),
+                ("budget_hold", budget_hold(budgets, catalog, directives, metrics)),
+            ],
+            metrics,
+        )
+        app[GENERATION] = GenerationHandler(generation_pipeline, services, embedding_pipeline)
         await listener.start()
         await analytics.start()
         await context_client.start()
@@ -203,15 +247,28 @@ def create_app(
             await registry.aclose()
             await session.close()
             await context_client.close()
+            local_embedder.close()
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await request.app[CHAT].handle(request)
+        return await request.app[GENERATION].handle(request, CHAT_EDGE)
+
+    async def embeddings(request: web.Request) -> web.StreamResponse:
+        return await request.app[GENERATION].embeddings(request)
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        return await request.app[GENERATION].handle(request, MESSAGES_EDGE)
+
+    response_store = ResponseStore(stores.redis)
+    responses_edge = ResponsesEdge(response_store)
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        return await request.app[GENERATION].handle(request, responses_edge)
 
     app.cleanup_ctx.append(providers_ctx)
 
     routes = ProtectedRoutes(
         keyed=GatePipeline(keyed, metrics), bound=GatePipeline(bound, metrics), catalog=catalog, sessions=sessions,
-        policies=policies, clickhouse=stores.clickhouse, servable=servable,
+        policies=policies, clickhouse=stores.clickhouse, servable=servable, responses=response_store,
     )  # fmt: skip
     health = HealthChecks(
         {
@@ -238,6 +295,10 @@ def create_app(
     )
     add_mcp_routes(app, bound=memory_gates, forwarder=forwarder, sessions=McpSessions(stores.redis), metrics=metrics)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", routes.stored_response)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/me", routes.me)
     app.router.add_get("/v1/usage", routes.usage)
@@ -248,6 +309,13 @@ def create_app(
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi_handler)
     return app
+
+
+def _load_embedder() -> Embedder:
+    """The built-in embedding model from the installed packages (imported here: onnxruntime loads only if used)."""
+    from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder
+
+    return OnnxMiniLMEmbedder.from_installed_packages()
 
 
 async def _sweep(budgets: BudgetService, sessions: SessionService, every: float = 30.0) -> None:

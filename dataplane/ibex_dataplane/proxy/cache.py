@@ -61,7 +61,9 @@ class TieredCache(Generic[T]):
         negative_ttl: int = 60,
         max_local: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        on_lookup: Callable[[str], None] | None = None,
     ) -> None:
+        self._on_lookup = on_lookup or (lambda tier: None)  # told which tier answered: local, redis or load
         self._redis = redis
         self._encode = encode
         self._decode = decode
@@ -97,6 +99,7 @@ class TieredCache(Generic[T]):
         if entry is not None:
             if entry.expires > now and self.local_enabled:
                 self._local.move_to_end(version_key)
+                self._on_lookup("local")
                 return entry.value
             del self._local[version_key]
         epoch = (self._epochs.get(version_key, 0), self._global_epoch)
@@ -105,10 +108,13 @@ class TieredCache(Generic[T]):
             version, raw = await self._read(keys=[version_key], args=[prefix])
         if raw is not None:
             try:
-                return self._remember(version_key, epoch, self._decode(raw))
+                value = self._remember(version_key, epoch, self._decode(raw))
+                self._on_lookup("redis")
+                return value
             except (ValueError, KeyError, TypeError):
                 pass  # written by another version of the codec: reload and overwrite it
         value = await load()
+        self._on_lookup("load")
         ttl = self._negative_ttl if value is None else self._redis_ttl
         with redis_errors():
             await self._redis.set(prefix + version.decode(), self._encode(value), ex=ttl)

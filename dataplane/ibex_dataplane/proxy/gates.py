@@ -6,7 +6,7 @@ times every gate, counts its outcome, and turns a store outage inside any gate i
 
 Order: body limit -> content type -> bearer key -> agent binding -> policy snapshot -> rate limit -> request
 validation -> budget hold -> directive + session. The first five are shared by every protected route; the chat
-routes add the rest (see :mod:`ibex_dataplane.proxy.chat`).
+routes add the rest (see :mod:`ibex_dataplane.proxy.generation`).
 """
 
 from __future__ import annotations
@@ -151,7 +151,11 @@ async def json_content_type(state: GateState) -> None:
 
 def authenticate(keys: KeyValidator) -> Gate:
     async def gate(state: GateState) -> None:
-        caller = await keys.authenticate(state.request.headers.get("Authorization"))
+        headers = state.request.headers
+        authorization = headers.get("Authorization")
+        if authorization is None and headers.get("X-Api-Key"):  # how the anthropic SDK sends its key
+            authorization = f"Bearer {headers['X-Api-Key']}"
+        caller = await keys.authenticate(authorization)
         if state.scope != "any":
             require_scope(caller, state.scope)
         state.caller = caller

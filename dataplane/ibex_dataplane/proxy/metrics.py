@@ -7,10 +7,11 @@ request by route template (``/v1/memories/{memory_id}``, ``/mcp``; ``unmatched``
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -52,6 +53,18 @@ class ProxyMetrics:
             ["task"], registry=r,
         )  # fmt: skip
 
+        self.budget_holds = Counter(
+            "ibex_proxy_budget_holds_total", "Budget holds by outcome: placed, refused, settled, released.",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.cache_lookups = Counter(
+            "ibex_proxy_cache_lookups_total", "Cached reads (keys, policies, directives) by the tier that answered: "
+            "local, redis or load (a miss read from Postgres).", ["cache", "tier"], registry=r,
+        )  # fmt: skip
+        self.breaker_state = Gauge(
+            "ibex_proxy_provider_breaker_state", "Circuit breaker of each network provider: 0 closed, 1 half-open, "
+            "2 open (read at scrape time).", ["provider"], registry=r,
+        )  # fmt: skip
         self.mcp_messages = Counter(
             "ibex_proxy_mcp_messages_total", "MCP JSON-RPC messages by method and outcome (ok or the JSON-RPC code).",
             ["method", "outcome"], registry=r,
@@ -61,7 +74,15 @@ class ProxyMetrics:
             ["tool", "outcome"], registry=r,
         )  # fmt: skip
 
+        self._before_render: list[Callable[[], None]] = []
+
+    def before_render(self, refresh: Callable[[], None]) -> None:
+        """Run ``refresh`` before each scrape (gauges read from live objects, e.g. breaker states)."""
+        self._before_render.append(refresh)
+
     def render(self) -> bytes:
+        for refresh in self._before_render:
+            refresh()
         return generate_latest(self.registry)
 
 

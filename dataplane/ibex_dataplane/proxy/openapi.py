@@ -265,6 +265,11 @@ _MODEL = {
         "owned_by": {"type": "string", "description": "The provider that serves the model."},
         "context_window": {"type": "integer", "minimum": 1},
         "max_output_tokens": {"type": "integer", "minimum": 1},
+        "kind": {
+            "type": "string",
+            "enum": ["chat", "embedding"],
+            "description": "`chat` models serve the generation routes, `embedding` models `/v1/embeddings`.",
+        },
     },
 }
 
@@ -598,6 +603,279 @@ _PROTECTED_RESOURCE = {
     },
 }
 
+_RESPONSES_ITEM = {
+    "type": "object",
+    "description": "A message (`role` with string content or `input_text` / `output_text` / `input_image` parts), "
+    "a `function_call` (`call_id`, `name`, `arguments`) or a `function_call_output` (`call_id`, `output`).",
+    "properties": {
+        "type": {"type": "string", "enum": ["message", "function_call", "function_call_output", "reasoning"]},
+        "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "call_id": {"type": "string"},
+        "name": {"type": "string"},
+        "arguments": {"type": "string"},
+        "output": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+    },
+}
+
+_RESPONSES_REQUEST = {
+    "type": "object",
+    "description": "An OpenAI Responses API body, translated to a chat completion for any provider. Only `function` "
+    "tools are supported; `previous_response_id` and `conversation` are refused (send the conversation as input).",
+    "required": ["input"],
+    "additionalProperties": True,
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "maxLength": 256},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _ref("ResponsesInputItem")}]},
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "stream": {"type": "boolean"},
+        "store": {"type": "boolean", "description": "Keep the answer for `GET /v1/responses/{id}` (default true)."},
+        "temperature": {"type": ["number", "null"]},
+        "top_p": {"type": ["number", "null"]},
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {
+                    "type": {"const": "function"},
+                    "name": {"type": "string"},
+                    "description": {"type": ["string", "null"]},
+                    "parameters": {"type": ["object", "null"]},
+                    "strict": {"type": ["boolean", "null"]},
+                },
+            },
+        },
+        "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object"}]},
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "text": {"type": "object"},
+        "user": {"type": "string"},
+        "metadata": {"type": ["object", "null"]},
+    },
+}
+
+_RESPONSE_OUTPUT_ITEM = {
+    "type": "object",
+    "required": ["type", "id", "status"],
+    "properties": {
+        "type": {"type": "string", "enum": ["message", "function_call"]},
+        "id": {"type": "string"},
+        "status": {"type": "string", "enum": ["in_progress", "completed", "incomplete"]},
+        "role": {"const": "assistant"},
+        "content": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "text"],
+                "properties": {"type": {"const": "output_text"}, "text": {"type": "string"}},
+            },
+        },
+        "call_id": {"type": "string"},
+        "name": {"type": "string"},
+        "arguments": {"type": "string"},
+    },
+}
+
+_RESPONSE = {
+    "type": "object",
+    "description": "An OpenAI Responses API `response` object.",
+    "required": ["id", "object", "created_at", "status", "model", "output"],
+    "properties": {
+        "id": {"type": "string", "pattern": "^resp_"},
+        "object": {"const": "response"},
+        "created_at": {"type": "integer"},
+        "status": {"type": "string", "enum": ["in_progress", "completed", "incomplete", "failed"]},
+        "incomplete_details": {
+            "anyOf": [{"type": "null"}, {"type": "object", "properties": {"reason": {"type": "string"}}}]
+        },
+        "instructions": {"type": ["string", "null"]},
+        "model": {"type": "string"},
+        "output": {"type": "array", "items": _ref("ResponseOutputItem")},
+        "store": {"type": "boolean"},
+        "usage": {
+            "anyOf": [
+                {"type": "null"},
+                {
+                    "type": "object",
+                    "required": ["input_tokens", "output_tokens", "total_tokens"],
+                    "properties": {
+                        "input_tokens": {"type": "integer", "minimum": 0},
+                        "output_tokens": {"type": "integer", "minimum": 0},
+                        "total_tokens": {"type": "integer", "minimum": 0},
+                    },
+                },
+            ]
+        },
+    },
+}
+
+_RESPONSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event of a streamed response (its `event:` line repeats `type`): "
+    "`response.created`, `response.in_progress`, `response.output_item.added`, `response.content_part.added`, "
+    "`response.output_text.delta`, `response.output_text.done`, `response.content_part.done`, "
+    "`response.function_call_arguments.delta`, `response.function_call_arguments.done`, `response.output_item.done`, "
+    "then `response.completed` or `response.incomplete`; or `error` (with the envelope under `error`) when the "
+    "provider fails after the first byte.",
+    "required": ["type", "sequence_number"],
+    "properties": {
+        "type": {"type": "string", "pattern": "^(response\\.|error$)"},
+        "sequence_number": {"type": "integer", "minimum": 0},
+        "response": _ref("Response"),
+        "output_index": {"type": "integer", "minimum": 0},
+        "item": _ref("ResponseOutputItem"),
+        "delta": {"type": "string"},
+    },
+}
+
+_ANTHROPIC_BLOCK = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"type": "string", "enum": ["text", "image", "tool_use", "tool_result"]}},
+}
+
+_MESSAGES_REQUEST = {
+    "type": "object",
+    "description": "An Anthropic Messages body. `system` is a string or text blocks; content blocks `text`, "
+    "`image` (base64 or url source), `tool_use` (assistant) and `tool_result` (user).",
+    "required": ["max_tokens", "messages"],
+    "additionalProperties": True,
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "maxLength": 256},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _ref("AnthropicContentBlock")}]},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"type": "string", "enum": ["user", "assistant"]},
+                    "content": {
+                        "anyOf": [{"type": "string"}, {"type": "array", "items": _ref("AnthropicContentBlock")}]
+                    },
+                },
+            },
+        },
+        "stream": {"type": "boolean"},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}},
+        "temperature": {"type": "number"},
+        "top_p": {"type": "number"},
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "input_schema": {"type": "object"},
+                },
+            },
+        },
+        "tool_choice": {"type": "object"},
+    },
+}
+
+_ANTHROPIC_MESSAGE = {
+    "type": "object",
+    "description": "An Anthropic Messages `message`.",
+    "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "message"},
+        "role": {"const": "assistant"},
+        "model": {"type": "string"},
+        "content": {"type": "array", "items": _ref("AnthropicContentBlock")},
+        "stop_reason": {"type": ["string", "null"], "enum": ["end_turn", "max_tokens", "tool_use", "refusal", None]},
+        "stop_sequence": {"type": ["string", "null"]},
+        "usage": {
+            "type": "object",
+            "required": ["input_tokens", "output_tokens"],
+            "properties": {
+                "input_tokens": {"type": "integer", "minimum": 0},
+                "output_tokens": {"type": "integer", "minimum": 0},
+                "cache_read_input_tokens": {"type": "integer", "minimum": 0},
+                "cache_creation_input_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+
+_MESSAGES_EVENT = {
+    "type": "object",
+    "description": "One server-sent event of a streamed message (its `event:` line repeats `type`): "
+    "`message_start`, then per block `content_block_start`, `content_block_delta` (`text_delta` or "
+    "`input_json_delta`), `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`; or "
+    "`error` (with the envelope fields under `error`) when the provider fails after the first byte.",
+    "required": ["type"],
+    "properties": {
+        "type": {
+            "type": "string",
+            "enum": ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop", "error"],
+        },
+        "index": {"type": "integer", "minimum": 0},
+        "message": _ref("AnthropicMessage"),
+    },
+}  # fmt: skip
+
+_EMBEDDINGS_REQUEST = {
+    "type": "object",
+    "description": "An OpenAI embeddings body. `ibex-minilm` (built in, 384 dimensions) embeds text; token arrays "
+    "need an upstream model.",
+    "required": ["model", "input"],
+    "additionalProperties": True,
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "maxLength": 256},
+        "input": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string", "minLength": 1}},
+                {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+                {"type": "array", "minItems": 1, "items": {"type": "array", "items": {"type": "integer"}}},
+            ]
+        },
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1},
+        "user": {"type": "string"},
+    },
+}
+
+_EMBEDDINGS = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"},
+        "model": {"type": "string"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"const": "embedding"},
+                    "index": {"type": "integer", "minimum": 0},
+                    "embedding": {
+                        "anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}],
+                        "description": "Floats, or with `encoding_format: base64` little-endian float32 bytes.",
+                    },
+                },
+            },
+        },
+        "usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+
 SCHEMAS: dict[str, Any] = {
     "Error": _ERROR,
     "FieldError": _FIELD_ERROR,
@@ -606,6 +884,17 @@ SCHEMAS: dict[str, Any] = {
     "ChatCompletionRequest": _CHAT_REQUEST,
     "ChatCompletion": _CHAT_COMPLETION,
     "ChatCompletionChunk": _CHAT_CHUNK,
+    "ResponsesInputItem": _RESPONSES_ITEM,
+    "ResponsesRequest": _RESPONSES_REQUEST,
+    "Response": _RESPONSE,
+    "ResponseOutputItem": _RESPONSE_OUTPUT_ITEM,
+    "ResponseStreamEvent": _RESPONSE_EVENT,
+    "AnthropicContentBlock": _ANTHROPIC_BLOCK,
+    "MessagesRequest": _MESSAGES_REQUEST,
+    "AnthropicMessage": _ANTHROPIC_MESSAGE,
+    "MessagesStreamEvent": _MESSAGES_EVENT,
+    "EmbeddingsRequest": _EMBEDDINGS_REQUEST,
+    "Embeddings": _EMBEDDINGS,
     "TokenUsage": _USAGE_TOKENS,
     "Model": _MODEL,
     "ModelList": _MODEL_LIST,
@@ -678,6 +967,48 @@ _CHAT_EXAMPLE = {
     "usage": {"prompt_tokens": 12, "completion_tokens": 14, "total_tokens": 26},
     "system_fingerprint": None,
 }
+_RESPONSES_EXAMPLE_REQUEST = {"model": "echo", "instructions": "Be brief.", "input": "Hello"}
+_RESPONSE_EXAMPLE = {
+    "id": "resp_8f1c2d3e4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d0e1f2a3b", "object": "response", "created_at": 1768210201,
+    "status": "completed", "model": "echo", "instructions": "Be brief.", "store": True,
+    "output": [{"type": "message", "id": "msg_5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a29", "status": "completed",
+                "role": "assistant", "content": [{"type": "output_text", "text": "[...]", "annotations": []}]}],
+    "usage": {"input_tokens": 12, "output_tokens": 9, "total_tokens": 21},
+}  # fmt: skip
+_MESSAGES_EXAMPLE_REQUEST = {"model": "echo", "max_tokens": 256, "messages": [{"role": "user", "content": "Hello"}]}
+_MESSAGE_EXAMPLE = {
+    "id": "msg_3b2a19f8e7d6c5b4a3928170f6e5d4c3", "type": "message", "role": "assistant", "model": "echo",
+    "content": [{"type": "text", "text": "[...]"}], "stop_reason": "end_turn", "stop_sequence": None,
+    "usage": {"input_tokens": 8, "output_tokens": 9, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
+}  # fmt: skip
+_RESPONSE_EVENTS: list[dict[str, Any]] = [
+    {"type": "response.created", "sequence_number": 0, "response": {**_RESPONSE_EXAMPLE, "status": "in_progress",
+                                                                     "output": [], "usage": None}},
+    {"type": "response.output_text.delta", "sequence_number": 4,
+     "item_id": "msg_5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a29", "output_index": 0, "content_index": 0,
+     "delta": "[..."},
+    {"type": "response.completed", "sequence_number": 9, "response": _RESPONSE_EXAMPLE},
+]  # fmt: skip
+_MESSAGE_EVENTS: list[dict[str, Any]] = [
+    {"type": "message_start", "message": {**_MESSAGE_EXAMPLE, "content": [], "stop_reason": None}},
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "[..."}},
+    {"type": "content_block_stop", "index": 0},
+    {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 9}},
+    {"type": "message_stop"},
+]  # fmt: skip
+_EMBEDDINGS_EXAMPLE = {
+    "object": "list", "model": "ibex-minilm", "data": [{"object": "embedding", "index": 0, "embedding": [0.0123]}],
+    "usage": {"prompt_tokens": 2, "total_tokens": 2},
+}  # fmt: skip
+_RESPONSE_ID = {
+    "name": "response_id",
+    "in": "path",
+    "required": True,
+    "description": "A response id (`resp_...`); anything else is simply a response that does not exist (404).",
+    "schema": {"type": "string"},
+}
+
 _CHUNK_EXAMPLE = {
     "id": "chatcmpl-6f1d2c9a8b7e4f3a",
     "object": "chat.completion.chunk",
@@ -777,6 +1108,10 @@ _HEADERS: dict[str, Any] = {
         "schema": {"type": "string", "enum": ["true", "false"]},
     },
     "X-Idempotency-Replayed": {"description": "`true` on a replayed answer.", "schema": {"const": "true"}},
+    "X-IBEX-Fallback-Model": {
+        "description": "The model of the fallback chain that answered, when the requested one was unavailable.",
+        "schema": {"type": "string"},
+    },
 }
 
 
@@ -873,6 +1208,7 @@ def _paths() -> dict[str, Any]:
             "X-IBEX-Context-Tokens",
             "X-IBEX-Context-Degraded",
             "X-Idempotency-Replayed",
+            "X-IBEX-Fallback-Model",
         ),
         "content": {
             **_json_content("ChatCompletion", {"echo": _CHAT_EXAMPLE}),
@@ -883,6 +1219,19 @@ def _paths() -> dict[str, Any]:
             },
         },
     }
+
+    def generation_ok(schema: str, event: str, example: Any, events: list[dict[str, Any]]) -> dict[str, Any]:
+        sse = "".join(f"event: {e['type']}\ndata: {orjson.dumps(e).decode()}\n\n" for e in events)
+        return {
+            "description": f"The answer: JSON, or with `stream: true` server-sent events whose `data:` lines are "
+            f"`{event}` objects.",
+            "headers": chat_ok["headers"],
+            "content": {
+                **_json_content(schema, {"echo": example}),
+                SSE: {"schema": {"type": "string"}, "x-ibex-event-schema": _ref(event), "example": sse},
+            },
+        }
+
     return {
         "/v1/chat/completions": {
             "post": _operation(
@@ -901,6 +1250,69 @@ def _paths() -> dict[str, Any]:
                 "memory context (degrades, never fails). `Idempotency-Key` applies to non-streaming requests. When an "
                 "upstream refuses a request, its 4xx status comes back with `VALIDATION_ERROR` (400), "
                 "`UNPROCESSABLE` (422) or `PROVIDER_ERROR` (any other).",
+            )
+        },
+        "/v1/responses": {
+            "post": _operation(
+                "createResponse",
+                "OpenAI Responses API (JSON or SSE), on the same pipeline as chat",
+                "chat",
+                {"200": generation_ok("Response", "ResponseStreamEvent", _RESPONSE_EXAMPLE, _RESPONSE_EVENTS)},
+                errors=(*_BOUND_ERRORS, 402, 404, 409, 422, 429, 502, 504),
+                parameters=(_AGENT, _SESSION, _IDEMPOTENCY, _SKIP_MEMORY, _OBSERVED_AT),
+                body=("ResponsesRequest", {"hello": _RESPONSES_EXAMPLE_REQUEST}),
+                description="The same gates, memory context, providers, budget and usage accounting as "
+                "`/v1/chat/completions`; the body is translated to a chat completion and the answer back, so every "
+                "provider serves it. With `store` (default true) the answer is kept for `GET /v1/responses/{id}`.",
+            )
+        },
+        "/v1/responses/{response_id}": {
+            "get": _operation(
+                "getResponse",
+                "A stored Responses API answer of this agent",
+                "chat",
+                {"200": _ok("The stored response.", "Response", _RESPONSE_EXAMPLE)},
+                errors=(*_BOUND_ERRORS, 404),
+                parameters=(_AGENT, _RESPONSE_ID),
+                description="Answers are kept 30 days per agent: another agent's or organization's id is 404.",
+            )
+        },
+        "/v1/embeddings": {
+            "post": _operation(
+                "createEmbeddings",
+                "OpenAI embeddings: the built-in embedder or an upstream provider",
+                "chat",
+                {
+                    "200": _ok(
+                        "The vectors, in input order.",
+                        "Embeddings",
+                        _EMBEDDINGS_EXAMPLE,
+                        "X-RateLimit-Limit",
+                        "X-RateLimit-Remaining",
+                        "X-RateLimit-Reset",
+                        "X-IBEX-Fallback-Model",
+                    )
+                },
+                errors=(*_BOUND_ERRORS, 402, 404, 422, 429, 502, 504),
+                parameters=(_AGENT,),
+                body=("EmbeddingsRequest", {"minilm": {"model": "ibex-minilm", "input": ["Hello"]}}),
+                description="Gates: body limit, content type, key and scope `chat`, agent binding, org and agent "
+                "status, model policy (an `embedding` model the organization allows), rate limit (the inputs' "
+                "tokens), validation, budget hold. No memory context.",
+            )
+        },
+        "/v1/messages": {
+            "post": _operation(
+                "createMessage",
+                "Anthropic Messages wire format (JSON or SSE), on the same pipeline as chat",
+                "chat",
+                {"200": generation_ok("AnthropicMessage", "MessagesStreamEvent", _MESSAGE_EXAMPLE, _MESSAGE_EVENTS)},
+                errors=(*_BOUND_ERRORS, 402, 404, 409, 422, 429, 502, 504),
+                parameters=(_AGENT, _SESSION, _IDEMPOTENCY, _SKIP_MEMORY, _OBSERVED_AT),
+                body=("MessagesRequest", {"hello": _MESSAGES_EXAMPLE_REQUEST}),
+                description="For clients of the `anthropic` SDK (`base_url` the gateway, the IBEX key as `api_key`: "
+                "it is accepted in `x-api-key` as well as `Authorization: Bearer`). Any catalogued model serves, "
+                "Claude or not. Errors use the gateway's envelope.",
             )
         },
         "/v1/models": {
@@ -922,6 +1334,7 @@ def _paths() -> dict[str, Any]:
                                     "owned_by": "echo",
                                     "context_window": 128000,
                                     "max_output_tokens": 16384,
+                                    "kind": "chat",
                                 }
                             ],
                         },

@@ -1,4 +1,5 @@
-"""Handlers of the non-chat protected routes: models, me, auth-probe, session terminate. HTTP in, service out."""
+"""Handlers of the non-generation protected routes: models, me, auth-probe, session terminate, usage and stored
+Responses API answers. HTTP in, service out."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.proxy.analytics import GROUPINGS, usage_report
 from ibex_dataplane.proxy.gates import SESSION_ID, GatePipeline, GateState
 from ibex_dataplane.proxy.policy import PolicyService
+from ibex_dataplane.proxy.response_store import ResponseStore
 from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.shared.errors import ApiError
 from ibex_dataplane.shared.http import request_id_of
@@ -29,8 +31,10 @@ class ProtectedRoutes:
         sessions: SessionService,
         policies: PolicyService,
         clickhouse: ClickHouse,
+        responses: ResponseStore,
         servable: Callable[[str], str | None] = lambda name: None,
     ) -> None:
+        self._responses = responses
         self._keyed = keyed  # body, content type, key (no agent needed)
         self._bound = bound  # ... plus agent binding and status
         self._catalog = catalog
@@ -53,7 +57,7 @@ class ProtectedRoutes:
         created = int(time.time())
         data = [
             {"id": m.name, "object": "model", "created": created, "owned_by": m.provider,
-             "context_window": m.context_window, "max_output_tokens": m.max_output_tokens}
+             "context_window": m.context_window, "max_output_tokens": m.max_output_tokens, "kind": str(m.kind)}
             for m in self._catalog
             if policy is not None and policy.model_allowed(m.name) and self._servable(m.name) is None
         ]  # fmt: skip
@@ -96,6 +100,16 @@ class ProtectedRoutes:
         ):
             raise ApiError(404, "NOT_FOUND", "no such active session")
         return web.json_response({"id": session_id, "status": "closed"})
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """A stored Responses API answer of this agent (another agent's or org's id is simply not found)."""
+        state = await self._run(self._bound, request, "chat")
+        caller = state.require_caller()
+        _, agent = state.require_agent()
+        found = await self._responses.get(caller.org_id, agent.id, request.match_info["response_id"])
+        if found is None:
+            raise ApiError(404, "NOT_FOUND", "no such response")
+        return web.json_response(found)
 
     async def usage(self, request: web.Request) -> web.Response:
         """The org's spend and tokens in [from, to) (default: this month) by agent, model or day."""

@@ -70,6 +70,10 @@ class TenantKeys:
         """An MCP session of the proxy's ``/mcp`` endpoint (who opened it, the negotiated protocol revision)."""
         return self.key("mcp", session_id)
 
+    def stored_response(self, agent_id: UUID | str, response_id: str) -> str:
+        """A Responses API answer kept for ``GET /v1/responses/{id}`` (scoped to the agent that created it)."""
+        return self.key("resp", str(agent_id), response_id)
+
     def pattern(self) -> str:
         """A SCAN pattern matching every key of this org (used by org deletion)."""
         return f"{PREFIX}:{{{self.org_id}}}:*"
