@@ -365,3 +365,24 @@ async def test_the_trace_row_says_whether_the_turn_was_queued_for_capture(
         "SELECT agent_id, captured FROM llm_traces WHERE org_id = {org:UUID}", org=str(t.org_id)
     )
     assert {(str(a), int(c)) for a, c in rows} == {(str(t.agents["alpha"]), 1), (str(t.agents["beta"]), 0)}
+
+
+async def test_turns_through_the_responses_and_messages_routes_are_captured_like_chat(
+    proxy: RunningProxy, tenants: TenantFactory
+) -> None:
+    t = await tenants.create(agents=("alpha",), agent_spec=CAPTURE_TURNS, directive=None)
+    said = {"responses": "My bicycle is a green Gazelle from 1987.", "messages": "My cat Orzo hates thunder."}
+    async with ClientSession() as http:
+        body: dict[str, Any] = {"model": "echo", "input": said["responses"], "instructions": "Be brief."}
+        async with http.post(proxy.v1 + "/responses", json=body, headers=headers(t, "alpha", "r")) as r:
+            assert r.status == 200, await r.text()
+        body = {"model": "echo", "max_tokens": 64, "messages": [{"role": "user", "content": said["messages"]}]}
+        async with http.post(proxy.v1 + "/messages", json=body, headers=headers(t, "alpha", "m")) as r:
+            assert r.status == 200, await r.text()
+
+        async def both() -> bool:
+            return len(await extracted(http, proxy, t, "alpha")) == 2
+
+        await until(both, "the captured turns of both routes")
+        captured = {m["session_id"]: m["content"] for m in await extracted(http, proxy, t, "alpha")}
+    assert captured == {"r": said["responses"], "m": said["messages"]}  # the instructions are not the user's words
