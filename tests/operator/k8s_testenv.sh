@@ -12,6 +12,8 @@
 #   k8s_testenv.sh bin-dir        print the cache bin directory (kubectl, helm, kube-apiserver, ...)
 #
 # Cache: ${IBEX_K8S_CACHE:-$HOME/.cache/ibex-k8s-1.20.2}; binaries in its bin/. Every subcommand is safe to re-run.
+# IBEX_K8S_CONTROLLERS: the controller-manager's --controllers (default garbagecollector,namespace; tests/cluster
+# runs '*' for Deployments, ReplicaSets, service account tokens and endpoints).
 set -euo pipefail
 
 readonly K8S_VERSION=1.20.2
@@ -402,7 +404,8 @@ EOF
 	done
 
 	"$BIN/kube-controller-manager" --kubeconfig="$RUNDIR/kubeconfig" \
-		--controllers=garbagecollector,namespace --use-service-account-credentials=false \
+		--controllers="${IBEX_K8S_CONTROLLERS:-garbagecollector,namespace}" --use-service-account-credentials=false \
+		--root-ca-file="$RUNDIR/certs/ca.crt" \
 		--service-account-private-key-file="$RUNDIR/certs/sa.key" \
 		--port=0 --secure-port=0 --leader-elect=true --profiling=false \
 		</dev/null >"$RUNDIR/kube-controller-manager.log" 2>&1 &

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 CHART = REPO / "charts" / "ibex"
 CRD_NAMES = [f"{PLURALS[k]}.{GROUP}" for k in KIND_ORDER]
 EVERYTHING_ON = (
-    "--set", "networkPolicy.enabled=true,serviceMonitor.enabled=true,dataPlane.autoscaling.enabled=true",
+    "--set", "serviceMonitor.enabled=true,dataPlane.autoscaling.enabled=true",
 )  # fmt: skip
 # The chart never generates the pepper or the internal secret: every render is given them.
 KEYS = ("--set", f"secrets.keyPepper.value={'p' * 48},secrets.internalSecret.value={'i' * 48}")
@@ -75,6 +75,7 @@ def test_rendered_objects_are_valid_kubernetes(helm: Helm) -> None:
         docs = helm.template(*extra)
         kinds = {d["kind"] for d in docs}
         assert {"Deployment", "Service", "ServiceAccount", "ClusterRole", "Secret", "CustomResourceDefinition"} <= kinds
+        assert "NetworkPolicy" in kinds  # on by default
         for doc in docs:
             if doc["apiVersion"].startswith("monitoring.coreos.com/"):
                 continue  # a custom resource: no schema to check offline
