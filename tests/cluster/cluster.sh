@@ -107,6 +107,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "$PAUSE_IMAGE"
   netns_mounts_under_state_dir = true
+  # this host denies a negative oom_score_adj (the sandbox asks for -998): clamp to containerd's own
+  restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "$RUNDIR/cni"
