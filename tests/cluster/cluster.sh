@@ -80,7 +80,9 @@ cmd_load() {
 	podman image exists "$image" || die "no podman image $image"
 	# --all-platforms: podman's archive carries no platform index; the image is this machine's anyway
 	podman save "$image" 2>/dev/null | ctr_ images import --all-platforms - >/dev/null
-	ctr_ images ls -q | grep -qx "$image" || die "$image did not arrive in containerd"
+	local present
+	present=$(ctr_ images ls -q)
+	grep -qx "$image" <<<"$present" || die "$image did not arrive in containerd"
 	log "loaded $image into containerd"
 }
 
@@ -141,12 +143,13 @@ start_node() {
 	cat >"$RUNDIR/kubelet/config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: 127.0.0.1
+address: $GATEWAY
 port: $kubelet_port
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 healthzPort: $healthz_port
-# loopback only: the apiserver reaches the kubelet (logs, exec, port-forward) without client certificates
+# the node's address is the bridge's (kubelet refuses a loopback node IP): a test machine's private network only,
+# so the apiserver reaches the kubelet (logs, exec, port-forward) without client certificates
 authentication: {anonymous: {enabled: true}, webhook: {enabled: false}}
 authorization: {mode: AlwaysAllow}
 cgroupDriver: cgroupfs
@@ -166,7 +169,7 @@ EOF
 	"$BIN/kubelet" --kubeconfig="$RUNDIR/kubeconfig" --config="$RUNDIR/kubelet/config.yaml" \
 		--root-dir="$RUNDIR/kubelet/root" --cert-dir="$RUNDIR/kubelet/pki" \
 		--container-runtime=remote --container-runtime-endpoint="unix://$RUNDIR/containerd.sock" \
-		--hostname-override="$NODE" --node-ip=127.0.0.1 --v=1 \
+		--hostname-override="$NODE" --node-ip="$GATEWAY" --v=1 \
 		</dev/null >"$RUNDIR/kubelet.log" 2>&1 &
 	echo $! >"$RUNDIR/kubelet.pid"
 	local deadline=$((SECONDS + READY_TIMEOUT_S))

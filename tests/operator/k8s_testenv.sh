@@ -386,6 +386,7 @@ EOF
 		--service-account-key-file="$RUNDIR/certs/sa.pub" \
 		--service-account-signing-key-file="$RUNDIR/certs/sa.key" \
 		--service-cluster-ip-range=10.0.0.0/24 --endpoint-reconciler-type=none --profiling=false \
+		--kubelet-preferred-address-types=InternalIP \
 		</dev/null >"$RUNDIR/kube-apiserver.log" 2>&1 &
 	echo $! >"$RUNDIR/kube-apiserver.pid"
 
