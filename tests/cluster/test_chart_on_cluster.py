@@ -258,6 +258,8 @@ async def agent_rows(admin_dsn: str, agent_name: str) -> int:
 def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, stores: GatewayStores) -> None:
     pepper = secrets.token_urlsafe(36)
     cluster.kubectl("create", "namespace", NS)
+    # The watched namespace exists before the install: the operator's Role is created in it.
+    cluster.kubectl("apply", "-f", str(REPO / "examples" / "tenants" / "00-namespace.yaml"))
     cluster.kubectl(
         "-n", NS, "create", "secret", "generic", "ibex-keys", f"--from-literal=key-pepper={pepper}",
         f"--from-literal=internal-secret={secrets.token_urlsafe(36)}",

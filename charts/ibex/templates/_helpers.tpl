@@ -128,6 +128,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* ibex.env.common without the variables a container's own `env` sets (that one wins; duplicate names are
+refused by server-side apply). Called with (dict "root" . "env" LIST). */}}
+{{- define "ibex.env.commonExcept" -}}
+{{- $names := list }}
+{{- range .env }}{{- $names = append $names .name }}{{- end }}
+{{- $kept := list }}
+{{- range (include "ibex.env.common" .root | fromYamlArray) }}
+{{- if not (has .name $names) }}{{- $kept = append $kept . }}{{- end }}
+{{- end }}
+{{- if $kept }}{{ toYaml $kept }}{{- end }}
+{{- end }}
+
 {{- define "ibex.env.pepper" -}}
 - name: IBEX_KEY_PEPPER
   valueFrom:
