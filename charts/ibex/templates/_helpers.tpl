@@ -156,8 +156,14 @@ refused by server-side apply). Called with (dict "root" . "env" LIST). */}}
       key: {{ .Values.secrets.internalSecret.key }}
 {{- end }}
 
-{{/* Probes on /healthz (liveness) and /readyz (readiness) of one port. */}}
+{{/* Probes on /healthz (start-up and liveness) and /readyz (readiness) of one port. The startup probe gives a
+process up to five minutes to load (the ONNX model, Presidio, a busy node) before liveness may restart it. */}}
 {{- define "ibex.probes" -}}
+startupProbe:
+  httpGet: {path: /healthz, port: {{ . }}}
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 60
 livenessProbe:
   httpGet: {path: /healthz, port: {{ . }}}
   periodSeconds: 10
