@@ -92,6 +92,7 @@ def test_the_chart_renders_the_data_plane_and_operator_as_specified(helm: Helm) 
     for name, c in containers.items():
         assert c["command"] == ["ibex"] and c["args"] == [name]
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["startupProbe"]["httpGet"]["path"] == "/healthz"  # loading may take minutes: no liveness kill
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert c["resources"]["requests"] and c["securityContext"]["readOnlyRootFilesystem"] is True
     assert data_plane["automountServiceAccountToken"] is False
