@@ -185,12 +185,21 @@ def _exec_credentials(spec: Mapping[str, Any], cluster: Mapping[str, Any], kubec
     return out
 
 
+def in_cluster_server() -> str:
+    """The API server as every pod is told by the kubelet (the ``kubernetes`` Service's address), as client-go's
+    in-cluster config reads it; the DNS name only when those variables are missing (a cluster without DNS works)."""
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        return IN_CLUSTER_SERVER
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
 def service_account_connection() -> kopf.ConnectionInfo:
     # Read on every login: projected service account tokens are rotated by the kubelet.
     token = (SERVICE_ACCOUNT_DIR / "token").read_text().strip()
     namespace_file = SERVICE_ACCOUNT_DIR / "namespace"
     return kopf.ConnectionInfo(
-        server=IN_CLUSTER_SERVER,
+        server=in_cluster_server(),
         ca_path=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
         token=token,
         default_namespace=namespace_file.read_text().strip() if namespace_file.exists() else None,

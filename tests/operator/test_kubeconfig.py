@@ -205,3 +205,15 @@ async def test_an_operator_logged_in_through_an_exec_plugin_does_the_whole_job(
         op.kill()
     assert calls(tmp_path), "the operator never ran the exec plugin"
     assert "401" not in op.log() and "Unauthorized" not in op.log(), op.log()[-3000:]
+
+
+def test_in_cluster_server_comes_from_the_kubelets_service_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ibex_operator.kubeconfig import IN_CLUSTER_SERVER, in_cluster_server
+
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    assert in_cluster_server() == "https://10.0.0.1:443"
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    assert in_cluster_server() == "https://[fd00::1]:443"
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    assert in_cluster_server() == IN_CLUSTER_SERVER
