@@ -6,8 +6,9 @@
 #   runtime        containerd 1.6 and runc, Debian packages, with its own config, root and socket under RUNDIR
 #   network        Debian's CNI plugins: a bridge (ibexk8s0, 10.244.0.0/24, gateway 10.244.0.1 = this host)
 #   sandbox image  a static pause built from pause.c here, imported like the project image (no registry)
-# Not run: kube-proxy (Services are reached with `kubectl port-forward`, which needs none) and cluster DNS (pods
-# reach the host's stores by the gateway address).
+#   services       kube-proxy (iptables mode): pods reach the API server through the `kubernetes` Service
+# Not run: cluster DNS (pods reach the host's stores by the gateway address; the client outside the cluster reaches
+# the proxy Service with `kubectl port-forward`).
 #
 # Usage:
 #   cluster.sh start RUNDIR        start everything; writes RUNDIR/env (KUBECONFIG, IBEX_CLUSTER_GATEWAY, ...)
@@ -92,6 +93,7 @@ start_containerd() {
 {"cniVersion": "0.4.0", "name": "ibex", "plugins": [
   {"type": "bridge", "bridge": "$BRIDGE", "isGateway": true, "ipMasq": false,
    "ipam": {"type": "host-local", "ranges": [[{"subnet": "$SUBNET", "gateway": "$GATEWAY"}]],
+            "routes": [{"dst": "0.0.0.0/0"}],
             "dataDir": "$RUNDIR/cni-ipam"}},
   {"type": "loopback"}
 ]}
@@ -172,10 +174,18 @@ EOF
 		--hostname-override="$NODE" --node-ip="$GATEWAY" --v=1 \
 		</dev/null >"$RUNDIR/kubelet.log" 2>&1 &
 	echo $! >"$RUNDIR/kubelet.pid"
+	# iptables mode; no oom_score_adj (denied here) and no conntrack sysctl changes
+	"$BIN/kube-proxy" --kubeconfig="$RUNDIR/kubeconfig" --hostname-override="$NODE" --proxy-mode=iptables \
+		--cluster-cidr="$SUBNET" --oom-score-adj=0 --conntrack-max-per-core=0 \
+		--conntrack-tcp-timeout-established=0 --conntrack-tcp-timeout-close-wait=0 \
+		--metrics-bind-address=127.0.0.1:$(free_port) --healthz-bind-address=127.0.0.1:$(free_port) \
+		</dev/null >"$RUNDIR/kube-proxy.log" 2>&1 &
+	echo $! >"$RUNDIR/kube-proxy.pid"
 	local deadline=$((SECONDS + READY_TIMEOUT_S))
 	until [[ $(kctl get node "$NODE" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null) == True ]]; do
 		pid_alive kubelet || { tail -n 40 "$RUNDIR/kubelet.log" >&2; die "kubelet exited"; }
 		pid_alive kube-scheduler || { tail -n 20 "$RUNDIR/kube-scheduler.log" >&2; die "kube-scheduler exited"; }
+		pid_alive kube-proxy || { tail -n 20 "$RUNDIR/kube-proxy.log" >&2; die "kube-proxy exited"; }
 		((SECONDS < deadline)) || { tail -n 40 "$RUNDIR/kubelet.log" >&2; die "node not Ready in ${READY_TIMEOUT_S} s"; }
 		sleep 0.5
 	done
@@ -191,8 +201,11 @@ cmd_start() {
 	local cache
 	cache=$(dirname "$BIN")
 	build_pause "$cache"
-	IBEX_K8S_CONTROLLERS='*' bash "$TESTENV" start "$RUNDIR" >&2
 	start_bridge
+	# Pods reach the API server as in any cluster: the `kubernetes` Service (10.0.0.1:443), whose endpoint is this
+	# host's bridge address, through kube-proxy. The API server listens on every address (token auth, test port).
+	IBEX_K8S_CONTROLLERS='*' IBEX_K8S_BIND_ADDRESS=0.0.0.0 IBEX_K8S_ADVERTISE_ADDRESS=$GATEWAY \
+		IBEX_K8S_ENDPOINT_RECONCILER=lease bash "$TESTENV" start "$RUNDIR" >&2
 	start_containerd
 	cmd_load "$PAUSE_IMAGE"
 	start_node
@@ -204,11 +217,29 @@ cmd_start() {
 	log "node $NODE Ready; KUBECONFIG=$RUNDIR/kubeconfig"
 }
 
+# The kubelet's own iptables chains (KUBE-FIREWALL, KUBE-MARK-*, canaries): not left behind on the machine.
+remove_kubelet_chains() {
+	local table chain
+	while iptables -D INPUT -j KUBE-FIREWALL 2>/dev/null; do :; done
+	while iptables -D OUTPUT -j KUBE-FIREWALL 2>/dev/null; do :; done
+	for table in filter nat mangle; do
+		for chain in $(iptables -t "$table" -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^KUBE-/ {print $2}'); do
+			iptables -t "$table" -F "$chain" 2>/dev/null || true
+		done
+		for chain in $(iptables -t "$table" -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^KUBE-/ {print $2}'); do
+			iptables -t "$table" -X "$chain" 2>/dev/null || true
+		done
+	done
+}
+
 cmd_stop() {
 	[[ -d $1 ]] || return 0
 	RUNDIR=$(cd "$1" && pwd -P)
 	BIN=$(bash "$TESTENV" bin-dir)
 	stop_pid kubelet
+	stop_pid kube-proxy
+	"$BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true # its iptables chains
+	remove_kubelet_chains
 	stop_pid kube-scheduler
 	if pid_alive containerd; then
 		local t

@@ -13,7 +13,9 @@
 #
 # Cache: ${IBEX_K8S_CACHE:-$HOME/.cache/ibex-k8s-1.20.2}; binaries in its bin/. Every subcommand is safe to re-run.
 # IBEX_K8S_CONTROLLERS: the controller-manager's --controllers (default garbagecollector,namespace; tests/cluster
-# runs '*' for Deployments, ReplicaSets, service account tokens and endpoints).
+# runs '*' for Deployments, ReplicaSets, service account tokens and endpoints). For a cluster whose pods reach the
+# API server through the `kubernetes` Service: IBEX_K8S_BIND_ADDRESS (default 127.0.0.1), IBEX_K8S_ADVERTISE_ADDRESS
+# (default 127.0.0.1) and IBEX_K8S_ENDPOINT_RECONCILER (default none; `lease` publishes the endpoint).
 set -euo pipefail
 
 readonly K8S_VERSION=1.20.2
@@ -322,7 +324,8 @@ gen_certs() {
 		-subj /CN=ibex-k8s-testenv-ca -keyout "$c/ca.key" -out "$c/ca.crt" 2>/dev/null
 	openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
 		-subj /CN=kube-apiserver -keyout "$c/apiserver.key" -out "$c/apiserver.csr" 2>/dev/null
-	printf 'subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc\n%s\n' \
+	printf 'subjectAltName=IP:127.0.0.1,IP:10.0.0.1,IP:%s,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc\n%s\n' \
+		"${IBEX_K8S_ADVERTISE_ADDRESS:-127.0.0.1}" \
 		'extendedKeyUsage=serverAuth' >"$c/apiserver.ext"
 	openssl x509 -req -in "$c/apiserver.csr" -CA "$c/ca.crt" -CAkey "$c/ca.key" -CAcreateserial -days 30 \
 		-extfile "$c/apiserver.ext" -out "$c/apiserver.crt" 2>/dev/null
@@ -379,13 +382,14 @@ EOF
 	echo $! >"$RUNDIR/etcd.pid"
 
 	"$BIN/kube-apiserver" --etcd-servers="$etcd_url" \
-		--bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$api_port" --insecure-port=0 \
+		--bind-address="${IBEX_K8S_BIND_ADDRESS:-127.0.0.1}" --advertise-address="${IBEX_K8S_ADVERTISE_ADDRESS:-127.0.0.1}" \
+		--secure-port="$api_port" --insecure-port=0 \
 		--tls-cert-file="$RUNDIR/certs/apiserver.crt" --tls-private-key-file="$RUNDIR/certs/apiserver.key" \
 		--cert-dir="$RUNDIR/certs" --token-auth-file="$RUNDIR/certs/tokens.csv" --authorization-mode=RBAC \
 		--service-account-issuer=https://kubernetes.default.svc \
 		--service-account-key-file="$RUNDIR/certs/sa.pub" \
 		--service-account-signing-key-file="$RUNDIR/certs/sa.key" \
-		--service-cluster-ip-range=10.0.0.0/24 --endpoint-reconciler-type=none --profiling=false \
+		--service-cluster-ip-range=10.0.0.0/24 --endpoint-reconciler-type="${IBEX_K8S_ENDPOINT_RECONCILER:-none}" --profiling=false \
 		--kubelet-preferred-address-types=InternalIP \
 		</dev/null >"$RUNDIR/kube-apiserver.log" 2>&1 &
 	echo $! >"$RUNDIR/kube-apiserver.pid"
