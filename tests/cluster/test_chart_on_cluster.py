@@ -322,7 +322,8 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
             write_memory(proxy, token, "support-bot", fact)
             echoed, headers = chat(proxy, token, "support-bot", "How should we contact the customer?")
         assert headers["x-ibex-memories-injected"] == "1", headers
-        assert re.search(r'<memory nonce="[a-p]{16}" id="[0-9a-f-]{36}">' + re.escape(fact), echoed)
+        memory_message = json.loads(echoed)[-1]["content"]
+        assert re.search(r'<memory nonce="[a-p]{16}" id="[0-9a-f-]{36}">' + re.escape(fact), memory_message)
 
         # An upgrade with a changed value rolls the data-plane pods; the key keeps working.
         before = set(pods(cluster))
