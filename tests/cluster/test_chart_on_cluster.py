@@ -347,7 +347,9 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
         cluster.kubectl("-n", "tenants", "delete", "apikeys,directives,agents,organizations", "--all",
                         "--timeout=300s", check=False, timeout=330)  # fmt: skip
         cluster.helm("uninstall", RELEASE, "--namespace", NS, "--wait=watcher", "--timeout=5m", timeout=360)
-    # Nothing of the release is left but the CRDs (kept on purpose) and the Secret the user made.
+    # Nothing of the release is left but the CRDs (kept on purpose) and the Secret the user made. Its pods end
+    # after their grace period, which `helm uninstall --wait` does not cover.
+    cluster.kubectl("-n", NS, "wait", "--for=delete", "pod", "--all", "--timeout=180s", timeout=200)
     left = cluster.kubectl("-n", NS, "get", "all,configmaps,secrets,roles,rolebindings,networkpolicies,serviceaccounts",
                            "-o", "name").stdout.split()  # fmt: skip
     # (kube-root-ca.crt and the default ServiceAccount are made by the controller-manager in every namespace)
