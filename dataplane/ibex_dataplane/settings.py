@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default=Path(".ibex"), description="Directory for embedded stores and local secrets.")
     migrations_dir: Path | None = Field(
         default=None,
-        description="Folder holding postgres/ and clickhouse/ migrations; defaults to the repo's.",
+        description="Folder holding postgres/ and clickhouse/ migrations; defaults to the ones shipped in the package.",
     )
 
     # --- secrets -----------------------------------------------------------------------------------------------

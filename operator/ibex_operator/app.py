@@ -21,7 +21,7 @@ from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_dataplane.store.errors import StoreError
 from ibex_dataplane.store.redis import ping as redis_ping
-from ibex_operator import handlers
+from ibex_operator import handlers, kubeconfig
 from ibex_operator.errors import LeaseLost, OperatorError
 from ibex_operator.health import HealthServer, OperatorState
 from ibex_operator.lease import LeaderElector
@@ -47,7 +47,7 @@ async def run(
         raise OperatorError("the operator needs the privileged Postgres DSN (IBEX_POSTGRES_ADMIN_DSN)")
     admin_pool = stores.admin_pool
     state = state or OperatorState()
-    login = handlers.login_function(options)
+    login = kubeconfig.login_function(options.kubeconfig)
     api = handlers.KubeApi(login)
 
     async def check_stores() -> None:
@@ -63,7 +63,7 @@ async def run(
     try:
         if health is not None:
             await health.start()
-        lease_namespace = options.lease_namespace or handlers.in_cluster_namespace() or "default"
+        lease_namespace = options.lease_namespace or kubeconfig.in_cluster_namespace() or "default"
         elector = LeaderElector(
             handlers.KubeLeaseStore(api, lease_namespace, options.lease_name), options.identity, options.lease
         )

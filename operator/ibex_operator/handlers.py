@@ -1,4 +1,5 @@
-"""The kopf glue: the only module that imports kopf and the only one that talks to the Kubernetes API.
+"""The kopf glue: with :mod:`~ibex_operator.kubeconfig` (credentials), the only module that imports kopf, and the only
+one that talks to the Kubernetes API.
 
 Called by :mod:`ibex_operator.app`, which builds an :class:`OperatorContext` and runs :func:`serve` once this replica
 holds the leader lease. Per kind it registers one reconcile for create, update and resume (plus a periodic timer
@@ -22,19 +23,17 @@ import logging
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 from uuid import UUID
 
 import aiohttp
 import kopf
-import yaml
 from pydantic import ValidationError
 
 from ibex_dataplane.store.errors import StoreUnavailable
-from ibex_operator.errors import KubeApiError, LeaseConflict, OperatorError, SecretConflict
+from ibex_operator.errors import KubeApiError, LeaseConflict, SecretConflict
 from ibex_operator.health import OperatorState
 from ibex_operator.lease import LeaseRecord
 from ibex_operator.models import (
@@ -61,83 +60,13 @@ FINALIZER = f"{GROUP}/cleanup"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "ibex-operator"
 TOKEN_KEY = "token"  # noqa: S105 - the name of the key inside the Secret, not a secret
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-IN_CLUSTER_SERVER = "https://kubernetes.default.svc"
-
-
-# -- credentials -------------------------------------------------------------------------------------------------
-def _kubeconfig_connection(path: Path) -> kopf.ConnectionInfo:
-    """The current context of a kubeconfig file (token, client certificate or basic auth; paths relative to it)."""
-    try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise OperatorError(f"cannot read kubeconfig {path}: {e}") from e
-
-    def named(section: str, name: str) -> dict[str, Any]:
-        for item in config.get(section) or []:
-            if item.get("name") == name:
-                value: dict[str, Any] = item.get(section[:-1]) or {}
-                return value
-        raise OperatorError(f"kubeconfig {path}: no {section[:-1]} named {name!r}")
-
-    current = config.get("current-context")
-    if not current:
-        raise OperatorError(f"kubeconfig {path}: current-context is not set")
-    context = named("contexts", current)
-    cluster, user = named("clusters", context["cluster"]), named("users", context["user"])
-
-    def local(value: str | None) -> str | None:
-        return str((path.parent / value).resolve()) if value else None
-
-    return kopf.ConnectionInfo(
-        server=cluster["server"],
-        ca_path=local(cluster.get("certificate-authority")),
-        ca_data=cluster.get("certificate-authority-data"),
-        insecure=cluster.get("insecure-skip-tls-verify"),
-        certificate_path=local(user.get("client-certificate")),
-        certificate_data=user.get("client-certificate-data"),
-        private_key_path=local(user.get("client-key")),
-        private_key_data=user.get("client-key-data"),
-        username=user.get("username"),
-        password=user.get("password"),
-        token=user.get("token"),
-        default_namespace=context.get("namespace"),
-    )
-
-
-def _service_account_connection() -> kopf.ConnectionInfo:
-    # Read on every login: projected service account tokens are rotated by the kubelet.
-    token = (SERVICE_ACCOUNT_DIR / "token").read_text().strip()
-    namespace_file = SERVICE_ACCOUNT_DIR / "namespace"
-    return kopf.ConnectionInfo(
-        server=IN_CLUSTER_SERVER,
-        ca_path=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
-        token=token,
-        default_namespace=namespace_file.read_text().strip() if namespace_file.exists() else None,
-    )
-
-
-def login_function(options: OperatorOptions) -> Callable[[], kopf.ConnectionInfo]:
-    """How to get credentials: ``--kubeconfig``, else the in-cluster service account, else ``~/.kube/config``."""
-    if options.kubeconfig is not None:
-        path = options.kubeconfig
-        return lambda: _kubeconfig_connection(path)
-    if (SERVICE_ACCOUNT_DIR / "token").exists():
-        return _service_account_connection
-    default = Path("~/.kube/config").expanduser()
-    if default.exists():
-        return lambda: _kubeconfig_connection(default)
-    raise OperatorError("no Kubernetes credentials: pass --kubeconfig, set KUBECONFIG, or run in a cluster")
-
-
-def in_cluster_namespace() -> str | None:
-    path = SERVICE_ACCOUNT_DIR / "namespace"
-    return path.read_text().strip() if path.exists() else None
+EXPIRY_MARGIN = timedelta(seconds=30)  # log in again this long before expiring credentials expire
 
 
 # -- a small Kubernetes API client ---------------------------------------------------------------------------------
 class KubeApi:
-    """JSON requests to the API server with the operator's credentials; re-logs in once on 401."""
+    """JSON requests to the API server with the operator's credentials (:mod:`~ibex_operator.kubeconfig`); logs in
+    again when the credentials expire (exec plugins give an expiry) and once on 401."""
 
     def __init__(self, login: Callable[[], kopf.ConnectionInfo], timeout: float = 10.0) -> None:
         self._login = login
@@ -145,9 +74,20 @@ class KubeApi:
         self._info: kopf.ConnectionInfo | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    def _connect(self) -> tuple[aiohttp.ClientSession, kopf.ConnectionInfo]:
+    def _expired(self) -> bool:
+        expiration = self._info.expiration if self._info is not None else None
+        if expiration is None:
+            return False
+        if expiration.tzinfo is None:
+            expiration = expiration.replace(tzinfo=UTC)
+        return datetime.now(UTC) >= expiration - EXPIRY_MARGIN
+
+    async def _connect(self) -> tuple[aiohttp.ClientSession, kopf.ConnectionInfo]:
+        if self._expired():
+            await self.close()
         if self._session is None or self._info is None:
-            self._info = self._login()
+            # In a thread: an exec credential plugin may take seconds.
+            self._info = await asyncio.to_thread(self._login)
             https = self._info.server.startswith("https")
             ssl_context: ssl.SSLContext | bool = self._info.as_ssl_context() if https else False
             self._session = aiohttp.ClientSession(
@@ -158,14 +98,10 @@ class KubeApi:
             )
         return self._session, self._info
 
-    @property
-    def default_namespace(self) -> str | None:
-        return self._connect()[1].default_namespace
-
     async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
         """Returns (HTTP status, decoded JSON body); raises :class:`KubeApiError` when the server is unreachable."""
         for attempt in (1, 2):
-            session, _ = self._connect()
+            session, _ = await self._connect()
             try:
                 async with session.request(method, path.lstrip("/"), json=body) as resp:
                     payload = await resp.json(content_type=None)

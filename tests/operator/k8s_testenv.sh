@@ -6,11 +6,16 @@
 #
 # Usage:
 #   k8s_testenv.sh build          build (or reuse) the cached binaries
+#   k8s_testenv.sh build-node     the same, plus kubelet, kube-scheduler and kube-proxy (for tests/cluster)
 #   k8s_testenv.sh start RUNDIR   start etcd + kube-apiserver + kube-controller-manager on 127.0.0.1, free ports
 #   k8s_testenv.sh stop RUNDIR    stop what `start RUNDIR` started (SIGTERM, then SIGKILL)
 #   k8s_testenv.sh bin-dir        print the cache bin directory (kubectl, helm, kube-apiserver, ...)
 #
 # Cache: ${IBEX_K8S_CACHE:-$HOME/.cache/ibex-k8s-1.20.2}; binaries in its bin/. Every subcommand is safe to re-run.
+# IBEX_K8S_CONTROLLERS: the controller-manager's --controllers (default garbagecollector,namespace; tests/cluster
+# runs '*' for Deployments, ReplicaSets, service account tokens and endpoints). For a cluster whose pods reach the
+# API server through the `kubernetes` Service: IBEX_K8S_BIND_ADDRESS (default 127.0.0.1), IBEX_K8S_ADVERTISE_ADDRESS
+# (default 127.0.0.1) and IBEX_K8S_ENDPOINT_RECONCILER (default none; `lease` publishes the endpoint).
 set -euo pipefail
 
 readonly K8S_VERSION=1.20.2
@@ -110,6 +115,7 @@ fetch_source() {
 }
 
 compile_server() {
+	local what=${1:-cmd/kube-apiserver cmd/kube-controller-manager}
 	local k=$WORK/src/k8s goroot=$WORK/root/usr/lib/go-1.19 v f minor
 	local reflect2=$WORK/root/usr/share/gocode/src/github.com/modern-go/reflect2
 	# vendored reflect2 1.0.1 crashes on Go >= 1.18: swap in Debian's 1.0.2
@@ -134,12 +140,12 @@ KUBE_GIT_MINOR='$minor'
 KUBE_GIT_COMMIT=''
 KUBE_GIT_TREE_STATE='clean'
 EOF
-	log "compiling kube-apiserver and kube-controller-manager (about 4 minutes on 2 cores; log: $WORK/make.log)"
+	log "compiling $what (about 4 minutes on 2 cores; log: $WORK/make.log)"
 	if ! env -i \
 		PATH="$WORK/tools:$goroot/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
 		HOME="$WORK/home" TMPDIR="$WORK/tmp" GOROOT="$goroot" GOPATH="$WORK/gopath" GOCACHE="$WORK/gocache" \
 		CGO_ENABLED=0 GOFLAGS=-mod=vendor GO111MODULE=on KUBE_GIT_VERSION_FILE="$WORK/version.env" \
-		make -C "$k" WHAT="cmd/kube-apiserver cmd/kube-controller-manager" >"$WORK/make.log" 2>&1; then
+		make -C "$k" WHAT="$what" >"$WORK/make.log" 2>&1; then
 		tail -n 40 "$WORK/make.log" >&2
 		die "make failed (full log: $WORK/make.log)"
 	fi
@@ -164,6 +170,31 @@ build_server() {
 	printf '%s\n' "$ver" >"$BIN/.server-version"
 }
 
+node_bins_ok() {
+	local b
+	for b in kubelet kube-scheduler kube-proxy; do [[ -x $BIN/$b ]] || return 1; done
+	[[ -f $BIN/.node-version ]] && [[ $(<"$BIN/.node-version") == "v$K8S_VERSION" ]]
+}
+
+# The node side, for a cluster that runs pods (tests/cluster): kubelet, kube-scheduler and kube-proxy from the
+# same source package. Built only on request (`build-node`): the operator tests need none of them.
+build_node() {
+	if node_bins_ok; then
+		log "reusing kubelet, kube-scheduler and kube-proxy in $BIN"
+		return 0
+	fi
+	fetch_debs
+	fetch_source
+	compile_server "cmd/kubelet cmd/kube-scheduler cmd/kube-proxy"
+	local out=$WORK/src/k8s/_output/bin b ver
+	for b in kubelet kube-scheduler kube-proxy; do
+		install -m 0755 "$out/$b" "$BIN/.$b.tmp" && mv -f "$BIN/.$b.tmp" "$BIN/$b"
+	done
+	ver=$("$BIN/kubelet" --version | awk '{print $2}')
+	[[ $ver == "v$K8S_VERSION" ]] || die "built kubelet reports '$ver', expected v$K8S_VERSION"
+	printf '%s\n' "$ver" >"$BIN/.node-version"
+}
+
 build_clients() {
 	if client_bins_ok; then
 		log "reusing kubectl and helm in $BIN"
@@ -183,6 +214,7 @@ build_clients() {
 }
 
 cmd_build() {
+	local with_node=${1-}
 	need_tools flock tar
 	mkdir -p "$BIN"
 	exec 9>"$CACHE/.build.lock"
@@ -190,8 +222,10 @@ cmd_build() {
 	local t0=$SECONDS
 	if ! server_bins_ok; then need_tools apt-get apt-cache dpkg make awk; fi
 	if ! client_bins_ok; then need_tools npm unzip; fi
+	if [[ $with_node == node ]] && ! node_bins_ok; then need_tools apt-get apt-cache dpkg make awk; fi
 	build_server
 	build_clients
+	if [[ $with_node == node ]]; then build_node; fi
 	if [[ -d $WORK ]]; then
 		log "removing the build tree $WORK"
 		chmod -R u+w "$WORK" 2>/dev/null || true
@@ -290,7 +324,8 @@ gen_certs() {
 		-subj /CN=ibex-k8s-testenv-ca -keyout "$c/ca.key" -out "$c/ca.crt" 2>/dev/null
 	openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
 		-subj /CN=kube-apiserver -keyout "$c/apiserver.key" -out "$c/apiserver.csr" 2>/dev/null
-	printf 'subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc\n%s\n' \
+	printf 'subjectAltName=IP:127.0.0.1,IP:10.0.0.1,IP:%s,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc\n%s\n' \
+		"${IBEX_K8S_ADVERTISE_ADDRESS:-127.0.0.1}" \
 		'extendedKeyUsage=serverAuth' >"$c/apiserver.ext"
 	openssl x509 -req -in "$c/apiserver.csr" -CA "$c/ca.crt" -CAkey "$c/ca.key" -CAcreateserial -days 30 \
 		-extfile "$c/apiserver.ext" -out "$c/apiserver.crt" 2>/dev/null
@@ -347,13 +382,15 @@ EOF
 	echo $! >"$RUNDIR/etcd.pid"
 
 	"$BIN/kube-apiserver" --etcd-servers="$etcd_url" \
-		--bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$api_port" --insecure-port=0 \
+		--bind-address="${IBEX_K8S_BIND_ADDRESS:-127.0.0.1}" --advertise-address="${IBEX_K8S_ADVERTISE_ADDRESS:-127.0.0.1}" \
+		--secure-port="$api_port" --insecure-port=0 \
 		--tls-cert-file="$RUNDIR/certs/apiserver.crt" --tls-private-key-file="$RUNDIR/certs/apiserver.key" \
 		--cert-dir="$RUNDIR/certs" --token-auth-file="$RUNDIR/certs/tokens.csv" --authorization-mode=RBAC \
 		--service-account-issuer=https://kubernetes.default.svc \
 		--service-account-key-file="$RUNDIR/certs/sa.pub" \
 		--service-account-signing-key-file="$RUNDIR/certs/sa.key" \
-		--service-cluster-ip-range=10.0.0.0/24 --endpoint-reconciler-type=none --profiling=false \
+		--service-cluster-ip-range=10.0.0.0/24 --endpoint-reconciler-type="${IBEX_K8S_ENDPOINT_RECONCILER:-none}" --profiling=false \
+		--kubelet-preferred-address-types=InternalIP \
 		</dev/null >"$RUNDIR/kube-apiserver.log" 2>&1 &
 	echo $! >"$RUNDIR/kube-apiserver.pid"
 
@@ -372,7 +409,8 @@ EOF
 	done
 
 	"$BIN/kube-controller-manager" --kubeconfig="$RUNDIR/kubeconfig" \
-		--controllers=garbagecollector,namespace --use-service-account-credentials=false \
+		--controllers="${IBEX_K8S_CONTROLLERS:-garbagecollector,namespace}" --use-service-account-credentials=false \
+		--root-ca-file="$RUNDIR/certs/ca.crt" \
 		--service-account-private-key-file="$RUNDIR/certs/sa.key" \
 		--port=0 --secure-port=0 --leader-elect=true --profiling=false \
 		</dev/null >"$RUNDIR/kube-controller-manager.log" 2>&1 &
@@ -456,11 +494,12 @@ main() {
 	shift || true
 	case $cmd in
 	build) cmd_build "$@" ;;
+	build-node) cmd_build node ;;
 	start) cmd_start "$@" ;;
 	stop) cmd_stop "$@" ;;
 	bin-dir) printf '%s\n' "$BIN" ;;
 	*)
-		printf 'usage: %s {build|start RUNDIR|stop RUNDIR|bin-dir}\n' "$0" >&2
+		printf 'usage: %s {build|build-node|start RUNDIR|stop RUNDIR|bin-dir}\n' "$0" >&2
 		exit 2
 		;;
 	esac

@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 CHART = REPO / "charts" / "ibex"
 CRD_NAMES = [f"{PLURALS[k]}.{GROUP}" for k in KIND_ORDER]
 EVERYTHING_ON = (
-    "--set", "networkPolicy.enabled=true,serviceMonitor.enabled=true,dataPlane.autoscaling.enabled=true",
+    "--set", "serviceMonitor.enabled=true,dataPlane.autoscaling.enabled=true",
 )  # fmt: skip
+# The chart never generates the pepper or the internal secret: every render is given them.
+KEYS = ("--set", f"secrets.keyPepper.value={'p' * 48},secrets.internalSecret.value={'i' * 48}")
 VALIDATE_AT = ("1.25.0", kubernetes_validate.latest_version())  # the oldest schemas the package ships, the newest
 
 
@@ -52,8 +54,8 @@ class Helm:
             raise AssertionError(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
         return proc
 
-    def template(self, *args: str) -> list[dict[str, Any]]:
-        out = self("template", "rel", str(CHART), "--namespace", "ibex-system", *args).stdout
+    def template(self, *args: str, keys: tuple[str, ...] = KEYS) -> list[dict[str, Any]]:
+        out = self("template", "rel", str(CHART), "--namespace", "ibex-system", *keys, *args).stdout
         return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -64,7 +66,7 @@ def helm(kube_apiserver: KubeApiserver, tmp_path: Path) -> Helm:
 
 def test_helm_lint_is_clean_with_defaults_and_with_every_option(helm: Helm) -> None:
     for extra in ((), EVERYTHING_ON, ("--set", "operator.watchNamespaces={tenants,team-b}")):
-        out = helm("lint", str(CHART), "--strict", *extra)
+        out = helm("lint", str(CHART), "--strict", *KEYS, *extra)
         assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
 
 
@@ -73,6 +75,7 @@ def test_rendered_objects_are_valid_kubernetes(helm: Helm) -> None:
         docs = helm.template(*extra)
         kinds = {d["kind"] for d in docs}
         assert {"Deployment", "Service", "ServiceAccount", "ClusterRole", "Secret", "CustomResourceDefinition"} <= kinds
+        assert "NetworkPolicy" in kinds  # on by default
         for doc in docs:
             if doc["apiVersion"].startswith("monitoring.coreos.com/"):
                 continue  # a custom resource: no schema to check offline
@@ -89,6 +92,7 @@ def test_the_chart_renders_the_data_plane_and_operator_as_specified(helm: Helm) 
     for name, c in containers.items():
         assert c["command"] == ["ibex"] and c["args"] == [name]
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["startupProbe"]["httpGet"]["path"] == "/healthz"  # loading may take minutes: no liveness kill
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert c["resources"]["requests"] and c["securityContext"]["readOnlyRootFilesystem"] is True
     assert data_plane["automountServiceAccountToken"] is False
@@ -118,22 +122,80 @@ def test_the_chart_renders_the_data_plane_and_operator_as_specified(helm: Helm) 
     ]
 
 
-def test_rbac_is_cluster_wide_by_default_and_namespaced_for_named_namespaces(helm: Helm) -> None:
-    (cluster_role,) = [d for d in helm.template() if d["kind"] == "ClusterRole"]
-    resources = [r["resources"] for r in cluster_role["rules"]]
-    assert ["customresourcedefinitions"] in resources and ["secrets"] in resources
-    assert ["namespaces"] not in resources  # watching everything needs no namespace list
+def test_rbac_is_namespaced_by_default_and_cluster_wide_only_on_opt_in(helm: Helm) -> None:
+    def rbac(docs: list[dict[str, Any]]) -> tuple[set[tuple[str, str]], list[list[str]]]:
+        roles = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs if d["kind"] == "Role"}
+        (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+        return roles, [r["resources"] for r in cluster_role["rules"]]
+
+    def namespace_args(docs: list[dict[str, Any]]) -> list[str]:
+        (op,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-ibex-operator"]
+        return [a for a in op["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--namespace")]
+
+    # Default: the release namespace only, through a Role; the ClusterRole only reads CRDs and namespaces.
+    docs = helm.template()
+    roles, cluster_rules = rbac(docs)
+    assert roles == {("ibex-system", "rel-ibex-operator"), ("ibex-system", "rel-ibex-operator-leader-election")}
+    assert cluster_rules == [["customresourcedefinitions"], ["namespaces"]]
+    assert namespace_args(docs) == ["--namespace=ibex-system"]
 
     docs = helm.template("--set", "operator.watchNamespaces={tenants,team-b}")
-    roles = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs if d["kind"] == "Role"}
+    roles, cluster_rules = rbac(docs)
     assert roles == {
         ("tenants", "rel-ibex-operator"),
         ("team-b", "rel-ibex-operator"),
         ("ibex-system", "rel-ibex-operator-leader-election"),
     }
     (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"], ["namespaces"]]
+    assert cluster_rules == [["customresourcedefinitions"], ["namespaces"]]
     assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in cluster_role["rules"])
+    assert namespace_args(docs) == ["--namespace=tenants", "--namespace=team-b"]
+    (tenant_role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["namespace"] == "tenants"]
+    (secret_rule,) = [r for r in tenant_role["rules"] if r["resources"] == ["secrets"]]
+    assert sorted(secret_rule["verbs"]) == ["create", "get", "update"]
+
+    # A glob needs the cluster-wide opt-in; with it, Secrets are writable everywhere (documented), and watching
+    # every namespace passes no --namespace at all.
+    refused = helm("template", "rel", str(CHART), *KEYS, "--set", "operator.watchNamespaces={team-*}", check=False)
+    assert refused.returncode != 0 and "operator.clusterWide=true" in refused.stderr
+    docs = helm.template("--set", "operator.clusterWide=true")
+    roles, cluster_rules = rbac(docs)
+    assert roles == {("ibex-system", "rel-ibex-operator-leader-election")}
+    assert ["secrets"] in cluster_rules and ["namespaces"] not in cluster_rules
+    assert namespace_args(docs) == []
+    docs = helm.template("--set", "operator.clusterWide=true,operator.watchNamespaces={team-*}")
+    assert namespace_args(docs) == ["--namespace=team-*"]
+
+
+def test_renders_are_reproducible_and_never_invent_the_pepper(helm: Helm) -> None:
+    # GitOps: a render cannot see the cluster, so two renders must agree (a generated pepper would not).
+    first = helm("template", "rel", str(CHART), "--namespace", "ibex-system", *KEYS).stdout
+    assert first == helm("template", "rel", str(CHART), "--namespace", "ibex-system", *KEYS).stdout
+    (keys,) = [
+        d for d in yaml.safe_load_all(first) if d and d["kind"] == "Secret" and d["metadata"]["name"] == "rel-ibex-keys"
+    ]
+    assert base64.b64decode(keys["data"]["key-pepper"]) == b"p" * 48
+    assert keys["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+    missing = helm("template", "rel", str(CHART), check=False)
+    assert missing.returncode != 0 and "secrets.keyPepper: set existingSecret" in missing.stderr
+    short = helm("template", "rel", str(CHART), "--set", "secrets.keyPepper.value=short", check=False)
+    assert short.returncode != 0 and "secrets.keyPepper.value: at least 32 characters" in short.stderr
+
+    # Both from one existing Secret: the chart renders no keys Secret and points every container at that one.
+    docs = helm.template(
+        "--set", "secrets.keyPepper.existingSecret=own-keys,secrets.internalSecret.existingSecret=own-keys", keys=()
+    )
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "rel-ibex-keys"]
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+        for d in docs
+        if d["kind"] == "Deployment"
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for e in c.get("env", [])
+        if e["name"] in ("IBEX_KEY_PEPPER", "IBEX_INTERNAL_SECRET")
+    }
+    assert refs == {"IBEX_KEY_PEPPER": "own-keys", "IBEX_INTERNAL_SECRET": "own-keys"}
 
 
 PROVIDERS = {
@@ -160,7 +222,7 @@ def test_provider_keys_come_from_secrets_and_the_providers_file_is_mounted(helm:
 
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"providers": {"config": PROVIDERS, "apiKeys": API_KEYS}}))
-    out = helm("lint", str(CHART), "--strict", "-f", str(values))
+    out = helm("lint", str(CHART), "--strict", *KEYS, "-f", str(values))
     assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
     docs = helm.template("-f", str(values))
     (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
@@ -207,7 +269,7 @@ def test_without_providers_nothing_is_mounted_and_an_existing_configmap_is_used_
 
 
 def test_a_provider_key_without_its_secret_is_refused_at_render(helm: Helm) -> None:
-    out = helm("template", "rel", str(CHART), "--set", "providers.apiKeys[0].env=OPENAI_API_KEY", check=False)
+    out = helm("template", "rel", str(CHART), *KEYS, "--set", "providers.apiKeys[0].env=OPENAI_API_KEY", check=False)
     assert out.returncode != 0 and "providers.apiKeys[0].secretName is required" in out.stderr
 
 
@@ -249,7 +311,15 @@ async def test_helm_install_into_the_apiserver_with_working_least_privilege_rbac
         "annotate", "crd", *CRD_NAMES, f"meta.helm.sh/release-name={release}",
         f"meta.helm.sh/release-namespace={ns}", "--overwrite",
     )  # fmt: skip
+    # The pepper and internal secret as a user brings them: one Secret made before the install.
+    kube.kubectl("create", "namespace", ns)
+    pepper = secrets.token_urlsafe(36)
+    kube.kubectl(
+        "-n", ns, "create", "secret", "generic", "own-keys",
+        f"--from-literal=key-pepper={pepper}", f"--from-literal=internal-secret={secrets.token_urlsafe(36)}",
+    )  # fmt: skip
     values = [
+        "--set", "secrets.keyPepper.existingSecret=own-keys,secrets.internalSecret.existingSecret=own-keys",
         "--set", "stores.postgres.dsn=postgresql://app@postgres/ibex",
         "--set", "stores.postgres.adminDsn=postgresql://admin@postgres/ibex",
         "--set", "stores.redis.url=redis://redis:6379/0",
@@ -257,7 +327,7 @@ async def test_helm_install_into_the_apiserver_with_working_least_privilege_rbac
         # only the test's namespace: the suite's shared operator watches others, and this exercises namespaced RBAC
         "--set", f"operator.watchNamespaces={{{solo_namespace}}}",
     ]  # fmt: skip
-    helm("install", release, str(CHART), "--namespace", ns, "--create-namespace", *values)
+    helm("install", release, str(CHART), "--namespace", ns, *values)
     try:
         status = json.loads(helm("status", release, "--namespace", ns, "-o", "json").stdout)
         assert status["info"]["status"] == "deployed"
@@ -266,8 +336,12 @@ async def test_helm_install_into_the_apiserver_with_working_least_privilege_rbac
         for crd in CRD_NAMES:
             meta = json.loads(kube.kubectl("get", "crd", crd, "-o", "json").stdout)["metadata"]
             assert meta["annotations"]["meta.helm.sh/release-name"] == release
-        pepper = kube.kubectl("-n", ns, "get", "secret", "ibex-keys", "-o", "jsonpath={.data.key-pepper}").stdout
-        assert len(base64.b64decode(pepper)) == 48
+        assert not kube.kubectl("-n", ns, "get", "secret", "ibex-keys", "--ignore-not-found", "-o", "name").stdout
+        env = json.loads(kube.kubectl("-n", ns, "get", "deployment", "ibex-operator", "-o", "json").stdout)
+        (op_env,) = [
+            e for e in env["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == "IBEX_KEY_PEPPER"
+        ]
+        assert op_env["valueFrom"]["secretKeyRef"] == {"name": "own-keys", "key": "key-pepper"}
 
         # Least privilege, as the apiserver's authorizer sees it.
         sa = f"system:serviceaccount:{ns}:ibex-operator"
@@ -311,15 +385,15 @@ async def test_helm_install_into_the_apiserver_with_working_least_privilege_rbac
         finally:
             op.kill()
 
-        # An upgrade keeps the generated pepper (a new one would invalidate every key).
+        # An upgrade leaves the pepper alone (a new one would invalidate every key).
         helm("upgrade", release, str(CHART), "--namespace", ns, *values, "--set", "logLevel=DEBUG")
-        again = kube.kubectl("-n", ns, "get", "secret", "ibex-keys", "-o", "jsonpath={.data.key-pepper}").stdout
-        assert again == pepper
+        again = kube.kubectl("-n", ns, "get", "secret", "own-keys", "-o", "jsonpath={.data.key-pepper}").stdout
+        assert base64.b64decode(again).decode() == pepper
     finally:
         helm("uninstall", release, "--namespace", ns, check=False)
     # CRDs (and with them every tenant resource) and the pepper survive an uninstall
     assert kube.kubectl("get", "crd", *CRD_NAMES, "-o", "name").stdout.count("customresourcedefinition") == 4
-    assert kube.kubectl("-n", ns, "get", "secret", "ibex-keys", "--ignore-not-found", "-o", "name").stdout.strip()
+    assert kube.kubectl("-n", ns, "get", "secret", "own-keys", "--ignore-not-found", "-o", "name").stdout.strip()
     assert not kube.kubectl("-n", ns, "get", "deployments", "-o", "name").stdout.strip()
 
 

@@ -128,6 +128,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* ibex.env.common without the variables a container's own `env` sets (that one wins; duplicate names are
+refused by server-side apply). Called with (dict "root" . "env" LIST). */}}
+{{- define "ibex.env.commonExcept" -}}
+{{- $names := list }}
+{{- range .env }}{{- $names = append $names .name }}{{- end }}
+{{- $kept := list }}
+{{- range (include "ibex.env.common" .root | fromYamlArray) }}
+{{- if not (has .name $names) }}{{- $kept = append $kept . }}{{- end }}
+{{- end }}
+{{- if $kept }}{{ toYaml $kept }}{{- end }}
+{{- end }}
+
 {{- define "ibex.env.pepper" -}}
 - name: IBEX_KEY_PEPPER
   valueFrom:
@@ -144,8 +156,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       key: {{ .Values.secrets.internalSecret.key }}
 {{- end }}
 
-{{/* Probes on /healthz (liveness) and /readyz (readiness) of one port. */}}
+{{/* Probes on /healthz (start-up and liveness) and /readyz (readiness) of one port. The startup probe gives a
+process up to five minutes to load (the ONNX model, Presidio, a busy node) before liveness may restart it. */}}
 {{- define "ibex.probes" -}}
+startupProbe:
+  httpGet: {path: /healthz, port: {{ . }}}
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 60
 livenessProbe:
   httpGet: {path: /healthz, port: {{ . }}}
   periodSeconds: 10
@@ -158,11 +176,37 @@ readinessProbe:
   failureThreshold: 2
 {{- end }}
 
-{{/* The operator's RBAC is namespaced only when every watched namespace is a plain name (no glob). */}}
+{{/* The operator's RBAC is cluster-wide only on the explicit opt-in operator.clusterWide=true. */}}
 {{- define "ibex.operator.clusterwide" -}}
-{{- $names := .Values.operator.watchNamespaces }}
-{{- if not $names }}true{{- end }}
-{{- range $names }}{{- if or (contains "*" .) (contains "?" .) (contains "!" .) (contains "," .) }}true{{- end }}{{- end }}
+{{- if .Values.operator.clusterWide }}true{{- end }}
+{{- end }}
+
+{{/* The namespaces the operator watches, one per line: without clusterWide, watchNamespaces (plain names only) or
+the release namespace; with clusterWide, watchNamespaces as given (names or globs; empty: every namespace). */}}
+{{- define "ibex.operator.namespaces" -}}
+{{- if .Values.operator.clusterWide }}
+{{- range .Values.operator.watchNamespaces }}{{ . }}
+{{ end }}
+{{- else }}
+{{- range .Values.operator.watchNamespaces }}
+{{- if or (contains "*" .) (contains "?" .) (contains "!" .) (contains "," .) }}
+{{- fail (printf "operator.watchNamespaces: %q is a glob; globs need the cluster-wide RBAC of operator.clusterWide=true" .) }}
+{{- end }}
+{{- end }}
+{{- range (.Values.operator.watchNamespaces | default (list .Release.Namespace)) }}{{ . }}
+{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* Fails the render when a secret the chart never generates is missing (see secrets.yaml). */}}
+{{- define "ibex.requireSecret" -}}
+{{- $v := index .root.Values.secrets .name }}
+{{- if and (not $v.existingSecret) (not $v.value) }}
+{{- fail (printf "secrets.%s: set existingSecret (a Secret you create, e.g. with `openssl rand -base64 48`) or value; the chart does not generate it, because a render-time random value changes on every `helm template` or Argo CD sync" .name) }}
+{{- end }}
+{{- if and $v.value (lt (len $v.value) 32) }}
+{{- fail (printf "secrets.%s.value: at least 32 characters" .name) }}
+{{- end }}
 {{- end }}
 
 {{/* RBAC rules for what the operator does to the resources it reconciles, wherever they live. */}}

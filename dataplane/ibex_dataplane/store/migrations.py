@@ -38,8 +38,9 @@ class Migration:
 
 
 def default_migrations_dir() -> Path:
-    """The repository's ``migrations/`` folder (the package is installed from the source tree)."""
-    return Path(__file__).resolve().parents[3] / "migrations"
+    """The migrations shipped with the package: ``ibex_dataplane/migrations`` (package data in a wheel; in the
+    source tree a symbolic link to the repository's ``migrations/`` folder)."""
+    return Path(__file__).resolve().parents[1] / "migrations"
 
 
 def discover(folder: Path) -> list[Migration]:
