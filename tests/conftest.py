@@ -25,6 +25,7 @@ from ibex_operator.repository import TenantConfigRepository
 from ibex_operator.secrets import FileSecretSink
 from tests.support.processes import child_processes
 from tests.support.tenants import TenantFactory
+from tests.support.watchdog import Watchdog, bound
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -102,6 +103,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    terminal = item.config.get_terminal_writer()
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+
+    def write(text: str) -> None:
+        with capture.global_and_fixture_disabled():
+            terminal.write(text)
+            terminal.flush()
+
+    with Watchdog(item.nodeid, bound(), write):
+        return (yield)
 
 
 def _own_resource_tracker() -> int | None:

@@ -1,0 +1,66 @@
+"""A per-test watchdog: a test that runs longer than a bound gets its threads and asyncio tasks dumped, then the
+session is interrupted (SIGINT), so a hang ends the run early with the evidence instead of at CI's time limit.
+
+The bound (``IBEX_TEST_WATCHDOG_SECONDS``, default 900 s) is far above the slowest test (the cluster test, about
+eight minutes on this machine); it is a hang detector, not a timing assertion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import io
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import TextIO
+
+DEFAULT_SECONDS = 900.0
+
+
+def bound() -> float:
+    return float(os.environ.get("IBEX_TEST_WATCHDOG_SECONDS", DEFAULT_SECONDS))
+
+
+def dump(nodeid: str, seconds: float, out: TextIO) -> None:
+    """Every thread's stack and every pending task of every running event loop, to ``out``."""
+    print(f"\n=== watchdog: {nodeid} still running after {seconds:.0f} s ===", file=out, flush=True)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        print(f"--- thread {names.get(ident, ident)} ---", file=out)
+        traceback.print_stack(frame, file=out)
+    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+    for loop in loops:
+        tasks = asyncio.all_tasks(loop)
+        print(f"--- {len(tasks)} pending asyncio tasks ---", file=out, flush=True)
+        for task in tasks:
+            print(f"* {task.get_name()}: {task.get_coro()!r}", file=out)
+            task.print_stack(limit=30, file=out)
+    out.flush()
+
+
+class Watchdog:
+    """``write`` receives the dump (the terminal: pytest holds the process's own stderr while a test runs)."""
+
+    def __init__(self, nodeid: str, seconds: float, write: Callable[[str], None]) -> None:
+        self._nodeid = nodeid
+        self._seconds = seconds
+        self._write = write
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def _fire(self) -> None:
+        out = io.StringIO()
+        dump(self._nodeid, self._seconds, out)
+        self._write(out.getvalue())
+        os.kill(os.getpid(), signal.SIGINT)
