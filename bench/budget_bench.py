@@ -33,8 +33,8 @@ from uuid import UUID, uuid4
 
 import asyncpg
 
-from ibex_dataplane.proxy.budget import BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.runtime.embedded import ADMIN_ROLE, APP_ROLE, EmbeddedPostgres
+from ibex_dataplane.shared.budget import BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
 from ibex_dataplane.store.postgres import Database, create_pool
 

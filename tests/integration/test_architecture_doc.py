@@ -85,7 +85,7 @@ async def test_a_refusal_after_the_budget_hold_releases_it(
     """A malformed session id is refused by the gate after `budget_hold`: the hold it placed is given back."""
     from decimal import Decimal
 
-    from ibex_dataplane.proxy.budget import BudgetService
+    from ibex_dataplane.shared.budget import BudgetService
 
     t = await tenants.create(org_spec={"models": {"default": "echo"}, "budget": {"monthlyLimitUSD": "5.00"}})
     headers = {"Authorization": f"Bearer {t.keys['alpha']}", "X-IBEX-Agent-ID": str(t.agents["alpha"]),

@@ -22,7 +22,10 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from ibex_dataplane.proxy.budget import (
+from ibex_dataplane.runtime import embedded
+from ibex_dataplane.runtime.embedded import ADMIN_ROLE, APP_ROLE, EmbeddedPostgres, RuntimeInfo
+from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.shared.budget import (
     BudgetExceeded,
     BudgetHold,
     BudgetPolicy,
@@ -32,9 +35,6 @@ from ibex_dataplane.proxy.budget import (
     Enforcement,
     month_start,
 )
-from ibex_dataplane.runtime import embedded
-from ibex_dataplane.runtime.embedded import ADMIN_ROLE, APP_ROLE, EmbeddedPostgres, RuntimeInfo
-from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
 from ibex_dataplane.store.postgres import Database, create_pool
@@ -357,7 +357,7 @@ async def test_alert_only_records_going_over_but_never_refuses(
     org, alpha = t.org_id, t.agents["alpha"]
     budgets = BudgetService(stores.db)
     alert = BudgetPolicy(org_limit_usd=D("1.00"), agent_limit_usd=D("0.50"), enforcement=Enforcement.ALERT_ONLY)
-    caplog.set_level(logging.WARNING, logger="ibex_dataplane.proxy.budget")
+    caplog.set_level(logging.WARNING, logger="ibex_dataplane.shared.budget")
     holds = [await budgets.hold(org, alpha, rid(), D("0.40"), alert) for _ in range(4)]
     assert [h.over_budget for h in holds] == [False, True, True, True]
     assert await totals(budgets, org, alpha) == {"org": (0, D("1.60")), "agent": (0, D("1.60"))}

@@ -106,7 +106,7 @@ async def test_a_store_outage_fails_closed_and_recovers(world: World, store: str
 async def test_a_settlement_interrupted_by_a_postgres_restart_lands_once_when_it_is_back(world: World) -> None:
     from decimal import Decimal
 
-    from ibex_dataplane.proxy.budget import BudgetPolicy, BudgetService, Enforcement
+    from ibex_dataplane.shared.budget import BudgetPolicy, BudgetService, Enforcement
 
     budgets = BudgetService(world.stores.db)
     org, agent = world.tenant.org_id, world.tenant.agents["solo"]

@@ -26,7 +26,6 @@ from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo
 from ibex_dataplane.providers.openai_compat import streamed_text
 from ibex_dataplane.providers.tokens import estimate_chat_tokens, estimate_text_tokens
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder, Trace
-from ibex_dataplane.proxy.budget import BudgetHold, BudgetService
 from ibex_dataplane.proxy.capture import capture_of
 from ibex_dataplane.proxy.context import ContextOutcome
 from ibex_dataplane.proxy.gates import GateState
@@ -34,6 +33,7 @@ from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
 from ibex_dataplane.proxy.repository import DirectiveRow
 from ibex_dataplane.proxy.sessions import SessionService
+from ibex_dataplane.shared.budget import BudgetHold, BudgetService
 from ibex_dataplane.shared.idempotency import Claim
 
 log = logging.getLogger(__name__)

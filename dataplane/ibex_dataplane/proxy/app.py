@@ -23,7 +23,6 @@ from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.accounting import Accounting, BackgroundTasks
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
 from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
-from ibex_dataplane.proxy.budget import BudgetService
 from ibex_dataplane.proxy.cache import InvalidationListener, TieredCache
 from ibex_dataplane.proxy.context import ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService, decode_directive, encode_directive
@@ -67,6 +66,7 @@ from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
+from ibex_dataplane.shared.budget import BudgetService
 from ibex_dataplane.shared.http import envelope_middleware
 from ibex_dataplane.shared.idempotency import IdempotencyLedger
 from ibex_dataplane.store.keys import GlobalKeys

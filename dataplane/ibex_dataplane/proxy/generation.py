@@ -25,7 +25,6 @@ from ibex_dataplane.providers.errors import ProviderError
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.providers.tokens import estimate_chat_tokens
 from ibex_dataplane.proxy.accounting import Accounting, GenerationPlan, content_digest, plan_of
-from ibex_dataplane.proxy.budget import BudgetExceeded, BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.proxy.capture import answer_text, observed_at_of
 from ibex_dataplane.proxy.context import SKIP_HEADER, ContextClient
 from ibex_dataplane.proxy.directives import DirectiveService
@@ -37,6 +36,7 @@ from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
 from ibex_dataplane.proxy.repository import AgentPolicy
 from ibex_dataplane.proxy.streaming import relay
+from ibex_dataplane.shared.budget import BudgetExceeded, BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.shared.directives import inject_directive
 from ibex_dataplane.shared.errors import ApiError, ServiceError
 from ibex_dataplane.shared.http import request_id_of, server_request_id_of

@@ -5,7 +5,8 @@ money rounding, the errors the proxy maps (``BudgetExceeded`` -> 402 ``BUDGET_EX
 -> 503, budgets fail closed), and the sweeper of holds left behind by crashed requests. Called by the proxy's
 budget gate (:meth:`BudgetService.hold`), its response path (:meth:`~BudgetService.settle`,
 :meth:`~BudgetService.release`), its periodic sweeper (:meth:`~BudgetService.sweep_expired`) and usage reads
-(:meth:`~BudgetService.spend`). Every SQL statement is in :mod:`ibex_dataplane.proxy.budget_repository`.
+(:meth:`~BudgetService.spend`), and by the memory stage's fact extraction, whose model calls are billed to the
+same budgets. Every SQL statement is in :mod:`ibex_dataplane.shared.budget_repository`.
 
 Settlement is durable against store outages: a settle that cannot reach Postgres (an outage, a restart) is retried
 with backoff until it lands, for up to ``settle_retry_for``; it is idempotent by hold, and a hold the sweeper
@@ -31,7 +32,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
 
-from ibex_dataplane.proxy.budget_repository import (
+from ibex_dataplane.shared.budget_repository import (
     BudgetRepository,
     DuplicateBudgetHold,
     HoldOutcome,

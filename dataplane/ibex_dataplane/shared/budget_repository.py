@@ -1,6 +1,6 @@
 """Every SQL statement on the budget tables (budget_periods, budget_holds, budget_ledger).
 
-Called only by :class:`ibex_dataplane.proxy.budget.BudgetService`. The accounting itself lives in the SQL functions
+Called only by :class:`ibex_dataplane.shared.budget.BudgetService`. The accounting itself lives in the SQL functions
 of ``migrations/postgres/0002_budget.sql`` so that each hold, settle and release is one statement (one round trip)
 inside a :meth:`Database.tenant` transaction, which is what binds it to the org through row-level security. The
 sweeper is the one cross-tenant call: it goes through ``Database.unscoped`` to a SECURITY DEFINER function.
