@@ -13,6 +13,13 @@ from ibex_dataplane.settings import Settings
 
 if TYPE_CHECKING:
     from tests.support.proxy import MemoryDeps, RunningProxy
+    from tests.support.upstream import Upstream
+
+# The fact extraction model of `capture: facts` tests, served by the session's fake OpenAI-wire upstream.
+EXTRACTION_MODEL = "extractor"
+# The memory stage's extraction call timeout in these tests: far above the fake upstream's answer times (ms), and
+# far below the delay the slow-upstream test scripts.
+EXTRACTION_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="session")
@@ -27,12 +34,36 @@ def memory_deps() -> Iterator[MemoryDeps]:
 
 
 @pytest_asyncio.fixture(scope="session")
+async def extraction_upstream() -> AsyncIterator[Upstream]:
+    from tests.support.upstream import running_upstream
+
+    async with running_upstream() as upstream:
+        yield upstream
+
+
+def extraction_providers(upstream: Upstream) -> dict[str, object]:
+    from tests.support.upstream import API_KEY
+
+    return {
+        "models": [{"name": EXTRACTION_MODEL, "provider": "fake-upstream", "context_window": 16384,
+                    "max_output_tokens": 2048, "input_price_per_mtok": "3", "output_price_per_mtok": "15"}],
+        "providers": {"fake-upstream": {"type": "openai_compat", "base_url": upstream.url, "api_key": API_KEY,
+                                        "max_attempts": 1, "breaker_failure_threshold": 1000}},
+    }  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="session")
 async def proxy(
-    settings: Settings, stores: Stores, pepper: bytes, memory_deps: MemoryDeps
+    settings: Settings, stores: Stores, pepper: bytes, memory_deps: MemoryDeps, extraction_upstream: Upstream
 ) -> AsyncIterator[RunningProxy]:
+    """The session's shared stack; its memory stage is the only one that runs the capture worker, and it serves
+    the fact extraction model of the fake upstream."""
     from tests.support.proxy import running_proxy
 
-    async with running_proxy(settings, stores, pepper, memory=memory_deps) as running:
+    options = {"provider_config": extraction_providers(extraction_upstream), "extraction_timeout": EXTRACTION_TIMEOUT}
+    async with running_proxy(
+        settings, stores, pepper, memory=memory_deps, capture_worker=True, memory_options=options
+    ) as running:
         yield running
 
 

@@ -229,12 +229,14 @@ def test_provider_keys_come_from_secrets_and_the_providers_file_is_mounted(helm:
     pod, containers = data_plane_containers(docs)
     env = {name: {e["name"]: e for e in c["env"]} for name, c in containers.items()}
     path = env["proxy"]["IBEX_PROVIDERS_FILE"]["value"]
-    assert env["context"]["IBEX_PROVIDERS_FILE"]["value"] == path and "IBEX_PROVIDERS_FILE" not in env["memory"]
-    assert env["proxy"]["OPENAI_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "openai", "key": "api-key"}}
-    assert "OPENAI_API_KEY" not in env["context"] and "OPENAI_API_KEY" not in env["memory"]  # only the caller
+    assert env["context"]["IBEX_PROVIDERS_FILE"]["value"] == path == env["memory"]["IBEX_PROVIDERS_FILE"]["value"]
+    # The callers of providers get the keys: the proxy, and the memory stage for fact extraction (capture: facts).
+    for caller in ("proxy", "memory"):
+        assert env[caller]["OPENAI_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "openai", "key": "api-key"}}
+    assert "OPENAI_API_KEY" not in env["context"]
     (volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert volume["configMap"]["name"] == configmap["metadata"]["name"]
-    for name in ("proxy", "context"):
+    for name in ("proxy", "memory", "context"):
         (mount,) = [m for m in containers[name]["volumeMounts"] if m["name"] == volume["name"]]
         assert mount["readOnly"] is True and path == f"{mount['mountPath']}/providers.json"
     for doc in docs:

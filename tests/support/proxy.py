@@ -95,15 +95,22 @@ async def running_proxy(
     pepper: bytes,
     provider_config: dict[str, Any] | None = None,
     memory: MemoryDeps | None = None,
+    *,
+    capture_worker: bool = False,
+    memory_options: dict[str, Any] | None = None,
 ) -> AsyncIterator[RunningProxy]:
+    """``capture_worker``: the memory stage drains the capture queue. The test session's shared proxy does, and
+    other test stacks do not: a worker leases jobs of every tenant, so it would take other tests' jobs (with its
+    own, perhaps broken, embedder or providers). ``memory_options`` go to :func:`create_memory_app`."""
     if memory is None:
         app = create_app(settings, stores, pepper=pepper, provider_config=provider_config)
         async with serve(app) as url:
             yield RunningProxy(url, app)
         return
     settings = unhurried(settings)
+    stage_settings = settings.model_copy(update={"memory_capture_worker": capture_worker})
     async with (
-        running_memory_stage(settings, stores, memory) as stage,
+        running_memory_stage(stage_settings, stores, memory, **(memory_options or {})) as stage,
         running_context_stage(settings, stage) as context,
     ):
         app = create_app(

@@ -54,6 +54,7 @@ class Script:
     omit_usage: bool = False
     delay: float = 0.0  # seconds before the first byte of every answer
     chunk_interval: float = 0.0  # seconds between stream events
+    answers: list[str] = field(default_factory=list)  # contents of the next JSON answers, in order (then the default)
 
 
 @dataclass
@@ -125,7 +126,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(PIECES)},
+                    "message": {
+                        "role": "assistant",
+                        "content": script.answers.pop(0) if script.answers else "".join(PIECES),
+                    },
                     "finish_reason": "stop",
                 }
             ],

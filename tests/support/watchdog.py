@@ -38,7 +38,10 @@ def dump(nodeid: str, seconds: float, out: TextIO) -> None:
         print(f"--- {len(tasks)} pending asyncio tasks ---", file=out, flush=True)
         for task in tasks:
             print(f"* {task.get_name()}: {task.get_coro()!r}", file=out)
-            task.print_stack(limit=30, file=out)
+            try:
+                task.print_stack(limit=30, file=out)
+            except Exception as e:  # compiled coroutines (grpc's) have no Python frames to print
+                print(f"  (no stack: {type(e).__name__}: {e})", file=out)
     out.flush()
 
 
@@ -61,6 +64,8 @@ class Watchdog:
 
     def _fire(self) -> None:
         out = io.StringIO()
-        dump(self._nodeid, self._seconds, out)
-        self._write(out.getvalue())
-        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            dump(self._nodeid, self._seconds, out)
+            self._write(out.getvalue())
+        finally:  # the run ends even if the dump could not be made
+            os.kill(os.getpid(), signal.SIGINT)

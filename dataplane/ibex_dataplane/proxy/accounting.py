@@ -182,7 +182,7 @@ class Accounting:
         """Settle or release the hold, correct the TPM charge, checkpoint the session and, for a complete answer
         (``answer`` is its text), queue the turn's capture; never blocks the answer."""
         caller = state.require_caller()
-        _, agent = state.require_agent()
+        policy, agent = state.require_agent()
         plan.usage, plan.served_by = usage, served_by
         if usage is not None:
             plan.cost = self._catalog.cost(served_by, usage.prompt_tokens, usage.completion_tokens)
@@ -205,7 +205,11 @@ class Accounting:
                 self._rate_limiter.adjust_tokens(caller.org_id, agent.id, plan.limits, delta, window=plan.rate_window),
             )
         if usage is not None and plan.session_id:  # embeddings belong to no session
-            capture = capture_of(agent, plan.client_messages, answer, plan.observed_at) if answer is not None else None
+            capture = (
+                capture_of(agent, plan.client_messages, answer, plan.observed_at, policy.default_model)
+                if answer is not None
+                else None
+            )
             plan.captured = capture is not None
             self.background.spawn(
                 "checkpoint",

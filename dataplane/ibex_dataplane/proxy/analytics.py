@@ -21,6 +21,7 @@ from uuid import UUID
 
 from prometheus_client import CollectorRegistry, Counter
 
+from ibex_dataplane.shared.usage import USAGE_COLUMNS
 from ibex_dataplane.store.clickhouse import ClickHouse, org_query
 from ibex_dataplane.store.errors import StoreQueryError, StoreUnavailable
 
@@ -31,7 +32,6 @@ TRACE_COLUMNS = (
     "status_code", "error_code", "prompt_tokens", "completion_tokens", "cost_usd", "latency_ms", "upstream_ms",
     "stage_ms", "memories_injected", "context_tokens", "context_degraded", "degradations", "captured",
 )  # fmt: skip
-USAGE_COLUMNS = ("org_id", "agent_id", "request_id", "ts", "model", "prompt_tokens", "completion_tokens", "cost_usd")
 
 
 @dataclass(frozen=True)

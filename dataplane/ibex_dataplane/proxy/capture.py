@@ -4,7 +4,8 @@ The proxy only chooses the messages and hands them to the durable queue with the
 statement, :meth:`SessionService.record_turn`); the memory stage's workers turn them into memories. Captured are
 the client's own messages of this turn (the user messages after the last assistant message, as the client sent
 them: never the directive or the memory context the proxy injected) and, when the agent captures the ``assistant``
-role, the text of the answer. Only text is kept: image and audio parts, tool calls and tool results are not.
+role, the text of the answer. Only text is kept: image and audio parts, tool calls and tool results are not. A
+``facts`` job also carries a few earlier messages, as context for the extraction model.
 
 ``X-IBEX-Observed-At`` (RFC 3339) tells when the turn happened, for clients that replay or import conversations;
 it defaults to the time of the answer.
@@ -27,13 +28,15 @@ OBSERVED_AT_HEADER = "X-IBEX-Observed-At"
 # Text is kept until a worker has processed it; this bounds it when no worker runs.
 CAPTURE_TTL = timedelta(days=7)
 _FUTURE_SKEW = timedelta(minutes=5)
+# How many earlier messages a facts job carries for the extraction model to resolve references with.
+FACTS_CONTEXT_MESSAGES = 6
 
 
 @dataclass(frozen=True)
 class CaptureRequest:
     mode: str  # turns | facts
     model: str | None  # extraction model (facts)
-    messages: list[dict[str, str]]  # [{"role", "content"}]
+    messages: list[dict[str, Any]]  # [{"role", "content"}, with "context": true for earlier ones (facts)]
     observed_at: datetime | None
 
     def payload(self) -> str:
@@ -101,27 +104,44 @@ def streamed_answer_text(payloads: Iterable[bytes]) -> str:
 
 
 def capture_of(
-    agent: AgentPolicy, client_messages: Sequence[Any], answer: str, observed_at: datetime | None
+    agent: AgentPolicy,
+    client_messages: Sequence[Any],
+    answer: str,
+    observed_at: datetime | None,
+    org_default_model: str | None = None,
 ) -> CaptureRequest | None:
-    """The capture job of this turn, or None (capture off, memory off, or nothing to capture)."""
+    """The capture job of this turn, or None (capture off, memory off, or nothing to capture).
+
+    For ``facts`` the job also carries up to :data:`FACTS_CONTEXT_MESSAGES` earlier user and assistant messages of
+    the conversation, marked ``"context": true``, so the extraction model can resolve references; facts are only
+    taken from the turn's own messages. Its model is the agent's ``extractionModel``, else the agent's default
+    model, else the org's."""
     if agent.memory_capture not in ("turns", "facts") or not agent.memory_enabled:
         return None
-    captured: list[dict[str, str]] = []
+    captured: list[dict[str, Any]] = []
+    earlier: list[dict[str, Any]] = []
+    latest: list[dict[str, Any]] = []
+    for message in client_messages:
+        if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
+            continue
+        text = text_of(message.get("content"))
+        if message.get("role") == "assistant":
+            earlier.extend(latest)
+            latest = []
+            if text:
+                earlier.append({"role": "assistant", "content": text, "context": True})
+        elif text:
+            latest.append({"role": "user", "content": text})
     if "user" in agent.memory_capture_roles:
-        latest: list[dict[str, str]] = []
-        for message in client_messages:
-            if not isinstance(message, Mapping):
-                continue
-            if message.get("role") == "assistant":
-                latest = []
-            elif message.get("role") == "user":
-                text = text_of(message.get("content"))
-                if text:
-                    latest.append({"role": "user", "content": text})
         captured.extend(latest)
+    else:
+        earlier.extend(latest)
     if "assistant" in agent.memory_capture_roles and answer:
         captured.append({"role": "assistant", "content": answer})
     if not captured:
         return None
-    model = (agent.memory_extraction_model or agent.default_model) if agent.memory_capture == "facts" else None
-    return CaptureRequest(agent.memory_capture, model, captured, observed_at)
+    if agent.memory_capture == "turns":
+        return CaptureRequest("turns", None, captured, observed_at)
+    context = [{**m, "context": True} for m in earlier[-FACTS_CONTEXT_MESSAGES:]]
+    model = agent.memory_extraction_model or agent.default_model or org_default_model
+    return CaptureRequest("facts", model, [*context, *captured], observed_at)

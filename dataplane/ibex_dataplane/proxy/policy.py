@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from decimal import Decimal
-from fnmatch import fnmatchcase
 from typing import Any
 from uuid import UUID
 
@@ -17,6 +16,7 @@ import orjson
 
 from ibex_dataplane.proxy.cache import TieredCache
 from ibex_dataplane.proxy.repository import AgentPolicy, OrgRow, ProxyRepository
+from ibex_dataplane.shared.model_policy import model_allowed
 from ibex_dataplane.store.keys import TenantKeys
 
 
@@ -48,9 +48,7 @@ class PolicySnapshot(OrgRow):
         return None
 
     def model_allowed(self, model: str) -> bool:
-        if any(fnmatchcase(model, pattern) for pattern in self.deny):
-            return False
-        return not self.allow or any(fnmatchcase(model, pattern) for pattern in self.allow)
+        return model_allowed(model, self.allow, self.deny)
 
     def resolve_model(self, requested: str | None, agent: AgentPolicy) -> str | None:
         return requested or agent.default_model or self.default_model

@@ -1,0 +1,54 @@
+"""Helpers of the capture tests: chat through the proxy as an agent, list what was captured, wait for the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from uuid import UUID
+
+import pytest
+from aiohttp import ClientSession
+
+from ibex_dataplane.runtime.stores import Stores
+from tests.support.proxy import RunningProxy
+from tests.support.tenants import Tenant
+
+
+def headers(t: Tenant, agent: str, session: str, **extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {t.keys[agent]}", "X-IBEX-Agent-ID": str(t.agents[agent]),
+            "X-IBEX-Session-ID": session, **extra}  # fmt: skip
+
+
+async def chat(http: ClientSession, proxy: RunningProxy, h: dict[str, str], *messages: dict[str, Any],
+               stream: bool = False) -> tuple[int, str, dict[str, str]]:  # fmt: skip
+    body: dict[str, Any] = {"model": "echo", "messages": list(messages)}
+    if stream:
+        body["stream"] = True
+    async with http.post(proxy.v1 + "/chat/completions", json=body, headers=h) as r:
+        text = await r.text()
+        return r.status, text, dict(r.headers)
+
+
+async def extracted(http: ClientSession, proxy: RunningProxy, t: Tenant, agent: str) -> list[dict[str, Any]]:
+    h = headers(t, agent, "listing")
+    async with http.get(proxy.v1 + "/memories", params={"source": "extracted", "limit": "100"}, headers=h) as r:
+        assert r.status == 200, await r.text()
+        data: list[dict[str, Any]] = (await r.json())["data"]
+        return data
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
+    """Wait for a condition the capture worker makes true (it polls the queue once a second)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def jobs_of(stores: Stores, org_id: UUID) -> list[dict[str, Any]]:
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        return [dict(r) for r in await conn.fetch("SELECT * FROM capture_jobs WHERE org_id = $1", org_id)]
