@@ -112,25 +112,34 @@ async def timed(http: aiohttp.ClientSession, url: str, headers: dict[str, str], 
     return out
 
 
-async def throughput(http: aiohttp.ClientSession, url: str, headers: dict[str, str], n: int, c: int) -> float:
+async def throughput(
+    http: aiohttp.ClientSession, url: str, headers: dict[str, str], n: int, c: int
+) -> tuple[float, int]:
+    """Successful (200) answers per second at concurrency ``c``, and how many answers were not 200."""
     per_worker = n // c
+    errors = 0
 
     async def worker() -> None:
+        nonlocal errors
         for _ in range(per_worker):
             async with http.post(url, json=BODY, headers=headers) as r:
                 await r.read()
+                errors += r.status != 200
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(c)))
-    return per_worker * c / (time.perf_counter() - t0)
+    return (per_worker * c - errors) / (time.perf_counter() - t0), errors
 
 
 def q(values: list[float], p: float) -> float:
     return statistics.quantiles(values, n=1000)[int(p * 10) - 1]
 
 
-async def measure(targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace) -> dict[str, Any]:
-    """Latency (interleaved rounds, sequential) and throughput (concurrent) of each target: name -> (url, headers)."""
+async def measure(
+    targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace, profiled: dict[str, int]
+) -> dict[str, Any]:
+    """Latency (interleaved rounds, sequential) and throughput (concurrent) of each target: name -> (url, headers).
+    ``profiled``: target name -> pid of the process to sample during its throughput phase (``--profile``)."""
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
     latencies: dict[str, list[float]] = {name: [] for name in targets}
     rps: dict[str, float] = {}
@@ -141,8 +150,30 @@ async def measure(targets: dict[str, tuple[str, dict[str, str]]], args: argparse
             for name, (url, headers) in targets.items():
                 latencies[name] += await timed(http, url, headers, args.requests // args.rounds)
         for name, (url, headers) in targets.items():
-            rps[name] = await throughput(http, url, headers, args.throughput_requests, args.concurrency)
-    return {name: ({p: q(values, p) for p in (50, 95, 99)}, rps[name]) for name, values in latencies.items()}
+            profiler = profile_start(args.profile, profiled.get(name)) if args.profile else None
+            try:
+                rps[name] = await throughput(http, url, headers, args.throughput_requests, args.concurrency)
+            finally:
+                if profiler is not None:
+                    profile_stop(profiler)
+    return {name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name]) for name, values in latencies.items()}
+
+
+def profile_start(path: str, pid: int | None) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling ``pid`` into ``path`` (collapsed stacks) while the throughput phase runs."""
+    if pid is None:
+        return None
+    spy = Path(sys.executable).with_name("py-spy")
+    command = [str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--nonblocking",
+               "--output", path]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches before the load starts (a benchmark's setup, not a test's synchronization)
+    return proc
+
+
+def profile_stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    proc.wait(timeout=60)
 
 
 LITELLM_CONFIG = """\
@@ -187,6 +218,7 @@ def main() -> None:
     parser.add_argument("--throughput-requests", type=int, default=6000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--litellm", default=None, help="path of a `litellm` executable to measure side by side")
+    parser.add_argument("--profile", default=None, help="py-spy the proxy during its throughput phase into this file")
     args = parser.parse_args()
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "IBEX_LOG_LEVEL": "WARNING"}
@@ -224,7 +256,7 @@ def main() -> None:
                     litellm_url + "/v1/chat/completions",
                     {"Authorization": "Bearer sk-litellm-bench"},
                 )
-            result = asyncio.run(measure(targets, args))
+            result = asyncio.run(measure(targets, args, {"ibex": dev_proc.pid}))
         finally:
             if litellm_proc is not None:
                 stop(litellm_proc)
@@ -233,12 +265,13 @@ def main() -> None:
 
     print(f"latency: {args.requests} sequential requests per target in {args.rounds} interleaved rounds; "
           f"throughput: {args.throughput_requests} requests at concurrency {args.concurrency}")  # fmt: skip
-    direct, _ = result["direct"]
-    print(f"{'':10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}  {'added p50':>10}{'added p95':>10}{'added p99':>10}  req/s")
-    for name, (lat, rps) in result.items():
+    direct = result["direct"][0]
+    print(f"{'':10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}  {'added p50':>10}{'added p95':>10}{'added p99':>10}"
+          "  req/s  errors")  # fmt: skip
+    for name, (lat, rps, errors) in result.items():
         added = [lat[p] - direct[p] for p in (50, 95, 99)]
         print(f"{name:10}{lat[50]:9.3f}{lat[95]:9.3f}{lat[99]:9.3f}  {added[0]:10.3f}{added[1]:10.3f}{added[2]:10.3f}"
-              f"  {rps:7.0f}")  # fmt: skip
+              f"  {rps:7.0f}  {errors:6d}")  # fmt: skip
     if "litellm" in result:
         ours = result["ibex"][0][50] - direct[50]
         theirs = result["litellm"][0][50] - direct[50]

@@ -73,8 +73,10 @@ async def test_facts_are_extracted_billed_and_reach_a_later_sessions_context(
 ) -> None:
     t = await tenants.create(agent_spec=FACTS, directive=None)
     other = await tenants.create(agent_spec=FACTS, directive=None)
-    lisbon_facts = answer(("The user moved to Lisbon in March 2023.", "2023-03-01"),
-                          ("The user's daughter Ottilie starts school in Lisbon in September 2023.", None))
+    lisbon_facts = answer(
+        ("The user moved to Lisbon in March 2023.", "2023-03-01"),
+        ("The user's daughter Ottilie starts school in Lisbon in September 2023.", None),
+    )
     # The three later questions are facts turns too: the model finds nothing in them.
     extraction_upstream.reset(Script(answers=[lisbon_facts, answer(), answer(), answer()]))  # fmt: skip
     async with ClientSession() as http:
