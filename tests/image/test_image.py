@@ -91,6 +91,24 @@ def test_the_image_has_a_non_root_user_the_migrations_and_the_model(image: str) 
     assert found["model"] is True
 
 
+def test_the_image_carries_its_sbom_and_installed_exactly_the_locked_packages(image: str) -> None:
+    probe = (
+        "import json; from importlib import metadata;"
+        "print(json.dumps({'installed': sorted(f\"{d.metadata['Name'].lower().replace('_', '-')}=={d.version}\""
+        " for d in metadata.distributions()), 'sbom': json.load(open('/opt/ibex/share/sbom.cdx.json'))}))"
+    )
+    done = podman(
+        "run", "--rm", "--network=none", "--read-only", "--entrypoint", "/opt/ibex/bin/python", image, "-c", probe
+    )  # fmt: skip
+    found = json.loads(done.stdout)
+    sbom = found["sbom"]
+    assert sbom["bomFormat"] == "CycloneDX" and sbom["metadata"]["component"]["name"] == "ibex-harness"
+    listed = {f"{c['name'].lower().replace('_', '-')}=={c['version']}" for c in sbom["components"]}
+    installed = set(found["installed"]) - {f"ibex-harness=={sbom['metadata']['component']['version']}"}
+    assert installed == listed, (sorted(installed - listed), sorted(listed - installed))
+    assert all(c.get("hashes") for c in sbom["components"])  # each with the hashes pip checked
+
+
 def test_ibex_dev_in_the_image_becomes_ready_and_serves_a_chat(image: str, data_dir: Path) -> None:
     name = f"ibex-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
