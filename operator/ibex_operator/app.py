@@ -24,6 +24,9 @@ from ibex_dataplane.store.redis import ping as redis_ping
 from ibex_operator import handlers, kubeconfig
 from ibex_operator.errors import LeaseLost, OperatorError
 from ibex_operator.health import HealthServer, OperatorState
+from ibex_operator.kube import KubeApi
+from ibex_operator.kube_lease import KubeLeaseStore
+from ibex_operator.kube_secrets import KubernetesSecretSink
 from ibex_operator.lease import LeaderElector
 from ibex_operator.options import OperatorOptions
 from ibex_operator.purge import TenantPurger
@@ -48,7 +51,7 @@ async def run(
     admin_pool = stores.admin_pool
     state = state or OperatorState()
     login = kubeconfig.login_function(options.kubeconfig)
-    api = handlers.KubeApi(login)
+    api = KubeApi(login)
 
     async def check_stores() -> None:
         async with admin_pool.acquire() as conn:
@@ -65,7 +68,7 @@ async def run(
             await health.start()
         lease_namespace = options.lease_namespace or kubeconfig.in_cluster_namespace() or "default"
         elector = LeaderElector(
-            handlers.KubeLeaseStore(api, lease_namespace, options.lease_name), options.identity, options.lease
+            KubeLeaseStore(api, lease_namespace, options.lease_name), options.identity, options.lease
         )
         if not await elector.acquire(stop):
             return
@@ -73,7 +76,7 @@ async def run(
         try:
             repo = TenantConfigRepository(admin_pool, stores.redis)
             ctx = handlers.OperatorContext(
-                reconciler=Reconciler(repo, handlers.KubernetesSecretSink(api), pepper),
+                reconciler=Reconciler(repo, KubernetesSecretSink(api), pepper),
                 repo=repo,
                 purger=TenantPurger(admin_pool, stores.redis, stores.clickhouse, repo),
                 options=options,

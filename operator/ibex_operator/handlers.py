@@ -1,5 +1,4 @@
-"""The kopf glue: with :mod:`~ibex_operator.kubeconfig` (credentials), the only module that imports kopf, and the only
-one that talks to the Kubernetes API.
+"""The kopf glue: the handlers kopf runs for our four kinds, and the operator's kopf settings.
 
 Called by :mod:`ibex_operator.app`, which builds an :class:`OperatorContext` and runs :func:`serve` once this replica
 holds the leader lease. Per kind it registers one reconcile for create, update and resume (plus a periodic timer
@@ -9,33 +8,28 @@ only becomes Kubernetes: ``.status`` (``observedGeneration``, ``conditions`` wit
 transitions, and kopf retries (``TemporaryError`` with exponential backoff) for ``Ready=False`` that may fix itself
 (a missing reference, a store outage).
 
-Also here, because they are Kubernetes API calls: :class:`KubeApi` (a small aiohttp client on kopf's credentials),
-:class:`KubernetesSecretSink` (API key tokens into Secrets owned by their ApiKey) and :class:`KubeLeaseStore`
-(the Lease behind :mod:`~ibex_operator.lease`). kopf's own state lives under our group: the finalizer
-``ibex.dev/cleanup`` and annotations ``ibex.dev/last-handled-configuration`` and ``ibex.dev/<handler>``.
+The Kubernetes API calls of the operator live next to it: :mod:`~ibex_operator.kube` (the client, on kopf's
+credentials from :mod:`~ibex_operator.kubeconfig`), :mod:`~ibex_operator.kube_secrets` (API key tokens into Secrets
+owned by their ApiKey) and :mod:`~ibex_operator.kube_lease` (the Lease behind :mod:`~ibex_operator.lease`). kopf's
+own state lives under our group: the finalizer ``ibex.dev/cleanup`` and annotations
+``ibex.dev/last-handled-configuration`` and ``ibex.dev/<handler>``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
-import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any
-from urllib.parse import quote
 from uuid import UUID
 
-import aiohttp
 import kopf
 from pydantic import ValidationError
 
 from ibex_dataplane.store.errors import StoreUnavailable
-from ibex_operator.errors import KubeApiError, LeaseConflict, SecretConflict
+from ibex_operator.errors import KubeApiError, SecretConflict
 from ibex_operator.health import OperatorState
-from ibex_operator.lease import LeaseRecord
 from ibex_operator.models import (
     API_VERSION,
     GROUP,
@@ -57,227 +51,6 @@ from ibex_operator.status import Condition, ReconcileOutcome
 log = logging.getLogger(__name__)
 
 FINALIZER = f"{GROUP}/cleanup"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-MANAGED_BY = "ibex-operator"
-TOKEN_KEY = "token"  # noqa: S105 - the name of the key inside the Secret, not a secret
-EXPIRY_MARGIN = timedelta(seconds=30)  # log in again this long before expiring credentials expire
-
-
-# -- a small Kubernetes API client ---------------------------------------------------------------------------------
-class KubeApi:
-    """JSON requests to the API server with the operator's credentials (:mod:`~ibex_operator.kubeconfig`); logs in
-    again when the credentials expire (exec plugins give an expiry) and once on 401."""
-
-    def __init__(self, login: Callable[[], kopf.ConnectionInfo], timeout: float = 10.0) -> None:
-        self._login = login
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._info: kopf.ConnectionInfo | None = None
-        self._session: aiohttp.ClientSession | None = None
-
-    def _expired(self) -> bool:
-        expiration = self._info.expiration if self._info is not None else None
-        if expiration is None:
-            return False
-        if expiration.tzinfo is None:
-            expiration = expiration.replace(tzinfo=UTC)
-        return datetime.now(UTC) >= expiration - EXPIRY_MARGIN
-
-    async def _connect(self) -> tuple[aiohttp.ClientSession, kopf.ConnectionInfo]:
-        if self._expired():
-            await self.close()
-        if self._session is None or self._info is None:
-            # In a thread: an exec credential plugin may take seconds.
-            self._info = await asyncio.to_thread(self._login)
-            https = self._info.server.startswith("https")
-            ssl_context: ssl.SSLContext | bool = self._info.as_ssl_context() if https else False
-            self._session = aiohttp.ClientSession(
-                base_url=self._info.server.rstrip("/") + "/",
-                connector=aiohttp.TCPConnector(ssl=ssl_context),
-                timeout=self._timeout,
-                headers=self._info.as_http_headers(),
-            )
-        return self._session, self._info
-
-    async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
-        """Returns (HTTP status, decoded JSON body); raises :class:`KubeApiError` when the server is unreachable."""
-        for attempt in (1, 2):
-            session, _ = await self._connect()
-            try:
-                async with session.request(method, path.lstrip("/"), json=body) as resp:
-                    payload = await resp.json(content_type=None)
-                    if resp.status == 401 and attempt == 1:
-                        await self.close()  # credentials expired: log in again and retry once
-                        continue
-                    return resp.status, payload
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-                raise KubeApiError(f"{method} {path}: {type(e).__name__}") from e
-        raise KubeApiError(f"{method} {path}: unauthorized", 401)
-
-    async def close(self) -> None:
-        session, self._session, self._info = self._session, None, None
-        if session is not None:
-            await session.close()
-
-
-def _failure(method: str, path: str, status: int, payload: Any) -> KubeApiError:
-    reason = payload.get("reason") if isinstance(payload, dict) else None
-    message = payload.get("message") if isinstance(payload, dict) else None
-    return KubeApiError(f"{method} {path}: {status} {reason or ''} {message or ''}".strip(), status)
-
-
-# -- Secrets ---------------------------------------------------------------------------------------------------------
-class KubernetesSecretSink:
-    """API key tokens in Secrets (key ``token``), labelled as ours and owned by their ApiKey (garbage-collected with
-    it). A Secret of that name that the operator does not manage, or that another ApiKey owns, is never read or
-    overwritten: the ApiKey becomes ``Ready=False`` with ``SecretConflict``."""
-
-    def __init__(self, api: KubeApi) -> None:
-        self._api = api
-
-    @staticmethod
-    def _path(namespace: str, name: str = "") -> str:
-        base = f"/api/v1/namespaces/{quote(namespace)}/secrets"
-        return f"{base}/{quote(name)}" if name else base
-
-    async def _get(self, namespace: str, name: str) -> dict[str, Any] | None:
-        status, payload = await self._api.request("GET", self._path(namespace, name))
-        if status == 404:
-            return None
-        if status != 200:
-            raise _failure("GET", self._path(namespace, name), status, payload)
-        secret: dict[str, Any] = payload
-        return secret
-
-    @staticmethod
-    def _ours(secret: Mapping[str, Any]) -> bool:
-        labels = (secret.get("metadata") or {}).get("labels") or {}
-        return bool(labels.get(MANAGED_BY_LABEL) == MANAGED_BY)
-
-    @staticmethod
-    def _owner_name(secret: Mapping[str, Any]) -> str | None:
-        for ref in (secret.get("metadata") or {}).get("ownerReferences") or []:
-            if ref.get("kind") == "ApiKey" and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
-                return str(ref.get("name"))
-        return None
-
-    async def read(self, namespace: str, secret_name: str) -> str | None:
-        secret = await self._get(namespace, secret_name)
-        if secret is None or not self._ours(secret):
-            return None
-        raw = (secret.get("data") or {}).get(TOKEN_KEY)
-        if not raw:
-            return None
-        try:
-            return base64.b64decode(raw).decode()
-        except ValueError:
-            return None
-
-    async def write(self, namespace: str, secret_name: str, token: str, owner: dict[str, str] | None) -> None:
-        existing = await self._get(namespace, secret_name)
-        owner_name = owner.get("name") if owner else None
-        if existing is not None:
-            if not self._ours(existing):
-                raise SecretConflict(f"Secret {secret_name} exists and is not managed by the IBEX operator")
-            current_owner = self._owner_name(existing)
-            if owner_name and current_owner and current_owner != owner_name:
-                raise SecretConflict(f"Secret {secret_name} belongs to ApiKey {current_owner}")
-        metadata: dict[str, Any] = {
-            "name": secret_name,
-            "namespace": namespace,
-            "labels": {MANAGED_BY_LABEL: MANAGED_BY, "app.kubernetes.io/part-of": "ibex"},
-        }
-        if owner_name:
-            metadata["annotations"] = {f"{GROUP}/api-key": owner_name}
-        if owner:
-            metadata["ownerReferences"] = [{**owner, "controller": True}]
-        body: dict[str, Any] = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": metadata,
-            "type": "Opaque",
-            "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
-        }
-        if existing is None:
-            method, path = "POST", self._path(namespace)
-        else:
-            metadata["resourceVersion"] = existing["metadata"]["resourceVersion"]
-            method, path = "PUT", self._path(namespace, secret_name)
-        status, payload = await self._api.request(method, path, body)
-        if status not in (200, 201):
-            # 409: someone changed it meanwhile; the reconcile is retried and starts from a fresh read.
-            raise _failure(method, path, status, payload)
-
-
-# -- the leader Lease ------------------------------------------------------------------------------------------------
-def _micro_time(value: datetime | None) -> str | None:
-    return value.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if value else None
-
-
-def _parse_time(value: str | None) -> datetime | None:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
-
-
-class KubeLeaseStore:
-    """A ``coordination.k8s.io/v1`` Lease read and written with compare-and-swap on its resourceVersion."""
-
-    def __init__(self, api: KubeApi, namespace: str, name: str) -> None:
-        self._api = api
-        self._namespace = namespace
-        self._name = name
-        self._base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases"
-
-    def _record(self, payload: Mapping[str, Any]) -> LeaseRecord:
-        spec = payload.get("spec") or {}
-        return LeaseRecord(
-            holder=spec.get("holderIdentity") or None,
-            duration_s=int(spec.get("leaseDurationSeconds") or 1),
-            acquire_time=_parse_time(spec.get("acquireTime")),
-            renew_time=_parse_time(spec.get("renewTime")),
-            transitions=int(spec.get("leaseTransitions") or 0),
-            resource_version=str(payload["metadata"]["resourceVersion"]),
-        )
-
-    def _body(self, record: LeaseRecord) -> dict[str, Any]:
-        metadata: dict[str, Any] = {"name": self._name, "namespace": self._namespace}
-        if record.resource_version is not None:
-            metadata["resourceVersion"] = record.resource_version
-        return {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": metadata,
-            "spec": {
-                "holderIdentity": record.holder,
-                "leaseDurationSeconds": record.duration_s,
-                "acquireTime": _micro_time(record.acquire_time),
-                "renewTime": _micro_time(record.renew_time),
-                "leaseTransitions": record.transitions,
-            },
-        }
-
-    async def get(self) -> LeaseRecord | None:
-        status, payload = await self._api.request("GET", f"{self._base}/{quote(self._name)}")
-        if status == 404:
-            return None
-        if status != 200:
-            raise _failure("GET", self._base, status, payload)
-        return self._record(payload)
-
-    async def create(self, record: LeaseRecord) -> LeaseRecord:
-        status, payload = await self._api.request("POST", self._base, self._body(record))
-        if status == 409:
-            raise LeaseConflict("the lease was created by someone else")
-        if status != 201:
-            raise _failure("POST", self._base, status, payload)
-        return self._record(payload)
-
-    async def replace(self, record: LeaseRecord) -> LeaseRecord:
-        path = f"{self._base}/{quote(self._name)}"
-        status, payload = await self._api.request("PUT", path, self._body(record))
-        if status == 409:
-            raise LeaseConflict("the lease changed meanwhile")
-        if status != 200:
-            raise _failure("PUT", path, status, payload)
-        return self._record(payload)
 
 
 # -- kopf handlers ---------------------------------------------------------------------------------------------------

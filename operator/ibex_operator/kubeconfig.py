@@ -13,7 +13,7 @@ A kubeconfig user may authenticate with:
 - the ``oidc`` auth-provider (its ``id-token``). The other auth-providers (``gcp``, ``azure``) were removed from
   Kubernetes clients in 1.26 in favour of the exec plugins above and are refused with a message saying so.
 
-Logins are synchronous (kopf runs its login handler in a thread; :class:`~ibex_operator.handlers.KubeApi` calls
+Logins are synchronous (kopf runs its login handler in a thread; :class:`~ibex_operator.kube.KubeApi` calls
 :func:`login_function`'s result in a thread too).
 """
 

@@ -1,4 +1,4 @@
-"""Where issued API key tokens go: a Kubernetes Secret (the operator's ``handlers.KubernetesSecretSink``, since
+"""Where issued API key tokens go: a Kubernetes Secret (the operator's ``kube_secrets.KubernetesSecretSink``, since
 only that module talks to the Kubernetes API) or a local file (``ibex dev``, :class:`FileSecretSink`).
 
 The plaintext token exists only there. Reconcile reads it back to check it still matches the stored hash and

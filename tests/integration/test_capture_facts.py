@@ -95,7 +95,6 @@ async def test_facts_are_extracted_billed_and_reach_a_later_sessions_context(
             assert m["observed_at"].startswith("2023-05-08T13:00")
             capture = m["metadata"]["capture"]
             assert capture["mode"] == "facts" and capture["model"] == EXTRACTION_MODEL and capture["turn"] == 1
-        assert await jobs_of(stores, t.org_id) == []
 
         # One call, of the documented shape, carrying this turn and its context, and nothing of anyone else.
         [call] = extraction_calls(extraction_upstream)
@@ -243,8 +242,12 @@ async def test_a_slow_or_failing_model_defers_the_job_bills_nothing_and_a_later_
             return len(await extracted(http, proxy, t, "alpha")) == 1
 
         await until(stored, "the retried job's fact")
+
+        async def dequeued() -> bool:  # the job goes right after its memories are stored
+            return await jobs_of(stores, t.org_id) == []
+
+        await until(dequeued, "the processed job to leave the queue")
     assert len(await ledger(stores, t.org_id)) == 1
-    assert await jobs_of(stores, t.org_id) == []
 
 
 async def test_a_denied_model_or_an_exhausted_budget_fails_the_job_without_calling_the_model(

@@ -15,6 +15,7 @@ from ibex_operator.models import AgentSpec, ApiKeySpec, OrganizationSpec
 from ibex_operator.reconcile import Reconciler
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import NAMESPACE, Tenant, TenantFactory
+from tests.support.waiting import until
 
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -115,9 +116,16 @@ async def test_suspension_and_model_policy(proxy: RunningProxy, tenants: TenantF
         NAMESPACE, agent_name, AgentSpec.model_validate({"organizationRef": {"name": t.name}, "suspended": True}),
         generation=2,
     )  # fmt: skip
-    assert_error(await call(proxy, token=key, agent=agent), 403, "AGENT_SUSPENDED")
+    # Each reconcile reaches the proxy's local cache through the invalidation event, within milliseconds.
+    await until(lambda: refused_with(proxy, key, agent, "AGENT_SUSPENDED"), "the agent's suspension")
     await reconciler.organization(NAMESPACE, t.name, OrganizationSpec(suspended=True), generation=2)
+    await until(lambda: refused_with(proxy, key, agent, "ORG_SUSPENDED"), "the org's suspension")
     assert_error(await call(proxy, token=key, agent=agent), 403, "ORG_SUSPENDED")
+
+
+async def refused_with(proxy: RunningProxy, key: str, agent: str, code: str) -> bool:
+    status, payload, _ = await call(proxy, token=key, agent=agent)
+    return status == 403 and payload.get("error", {}).get("code") == code
 
 
 async def test_scopes_are_enforced(proxy: RunningProxy, tenants: TenantFactory) -> None:

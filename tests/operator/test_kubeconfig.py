@@ -16,7 +16,7 @@ import yaml
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.stores import Stores
 from ibex_operator.errors import OperatorError
-from ibex_operator.handlers import KubeApi
+from ibex_operator.kube import KubeApi
 from ibex_operator.kubeconfig import kubeconfig_connection
 from tests.operator.support import apply, spawn_operator, wait_condition
 from tests.operator.test_resources import agent, api_key, into, org, secret_token

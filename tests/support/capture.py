@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
 
-import pytest
 from aiohttp import ClientSession
 
 from ibex_dataplane.runtime.stores import Stores
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import Tenant
+from tests.support.waiting import until
+
+__all__ = ["chat", "extracted", "headers", "jobs_of", "until"]
 
 
 def headers(t: Tenant, agent: str, session: str, **extra: str) -> dict[str, str]:
@@ -37,15 +36,6 @@ async def extracted(http: ClientSession, proxy: RunningProxy, t: Tenant, agent: 
         assert r.status == 200, await r.text()
         data: list[dict[str, Any]] = (await r.json())["data"]
         return data
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
-    """Wait for a condition the capture worker makes true (it polls the queue once a second)."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
 
 
 async def jobs_of(stores: Stores, org_id: UUID) -> list[dict[str, Any]]:
