@@ -24,6 +24,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,17 @@ def chat(proxy: str, token: str, agent: str, content: str) -> tuple[str, dict[st
         return raw.parse().choices[0].message.content or "", dict(raw.headers)
 
 
+def directed_chat(proxy: str, token: str, agent: str, directive: str, timeout: float = 60.0) -> str:
+    """A chat whose echo carries the agent's directive: the reconciled Directive reaches the proxy's cache through
+    its invalidation event, so the first chats after ``Ready`` may still see the agent without it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        echoed, _ = chat(proxy, token, agent, "hello")
+        if directive in echoed or time.monotonic() > deadline:
+            return echoed
+        time.sleep(0.2)  # polling for a condition under a deadline
+
+
 def write_memory(proxy: str, token: str, agent: str, fact: str) -> None:
     import urllib.request
 
@@ -308,8 +320,9 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
 
         cluster.kubectl("apply", "-f", str(REPO / "examples" / "tenants"))
         cluster.kubectl(
-            "-n", "tenants", "wait", "--for=condition=Ready", "apikey/support-bot-key", "--timeout=300s", timeout=330
-        )
+            "-n", "tenants", "wait", "--for=condition=Ready", "apikey/support-bot-key",
+            "directive/support-bot-directive", "--timeout=300s", timeout=330,
+        )  # fmt: skip
         token = base64.b64decode(
             cluster.kubectl("-n", "tenants", "get", "secret", "support-bot-key", "-o", "jsonpath={.data.token}").stdout
         ).decode()
@@ -317,7 +330,7 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
 
         fact = "The customer prefers email over phone calls."
         with port_forward(cluster, "service/ibex-dataplane", 80) as proxy:
-            echoed, _ = chat(proxy, token, "support-bot", "hello")
+            echoed = directed_chat(proxy, token, "support-bot", "support assistant for Acme")
             assert "support assistant for Acme" in json.loads(echoed)[0]["content"]
             write_memory(proxy, token, "support-bot", fact)
             echoed, headers = chat(proxy, token, "support-bot", "How should we contact the customer?")
