@@ -10,7 +10,8 @@ import pytest
 from ibex_dataplane.memory.classifier import ConflictQuestion, DeterministicClassifier, Verdict
 from ibex_dataplane.memory.models import Memory, MemoryDraft, MemorySource, MemoryStatus, Neighbour
 from ibex_dataplane.memory.refinery import closing_instant, content_hash, interval_supersedes, normalize
-from ibex_dataplane.memory.search import SearchTuning, frequency, recency, score
+from ibex_dataplane.memory.search import frequency, recency, score
+from ibex_dataplane.memory.tuning import SearchTuning
 from ibex_dataplane.memory.validation import ListCursor, parse_feedback, parse_list, parse_search, parse_write
 from ibex_dataplane.shared.errors import ValidationFailed
 from ibex_dataplane.shared.idempotency import fingerprint, idempotency_key_of

@@ -8,18 +8,17 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
-from ibex_dataplane.memory.repository import SearchRow, merge_legs
-from ibex_dataplane.memory.search import (
-    SearchTuning,
-    matched_by,
+from ibex_dataplane.memory.evidence import (
+    evidence_of,
     names_in,
     periods_named,
-    rank,
-    relevance_of,
     text_evidence,
     vector_evidence,
 )
+from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
+from ibex_dataplane.memory.repository import SearchRow, merge_legs
+from ibex_dataplane.memory.search import matched_by, rank
+from ibex_dataplane.memory.tuning import SearchTuning
 
 T0 = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -55,7 +54,7 @@ def test_fusion_prefers_a_memory_both_legs_found() -> None:
     both = row(0.6, 6.0)
     vector_only = row(0.6)
     text_only = row(None, 6.0)
-    r_both, r_vector, r_text = relevance_of([both, vector_only, text_only], TUNING)
+    r_both, r_vector, r_text = evidence_of([both, vector_only, text_only], TUNING)
     assert r_both > r_vector and r_both > r_text
 
 
@@ -81,8 +80,8 @@ def test_a_named_month_or_day_becomes_a_period() -> None:
 def test_a_period_in_the_query_lifts_memories_valid_from_inside_it() -> None:
     inside = row(0.5, 3.0, valid_from=datetime(2022, 4, 10, tzinfo=UTC), observed_at=None)
     outside = row(0.5, 3.0, valid_from=datetime(2022, 9, 10, tzinfo=UTC), observed_at=None)
-    plain = relevance_of([inside, outside], TUNING)
-    timed = relevance_of([inside, outside], TUNING, periods_named("What did Nate do in April 2022?"))
+    plain = evidence_of([inside, outside], TUNING)
+    timed = evidence_of([inside, outside], TUNING, periods_named("What did Nate do in April 2022?"))
     assert plain[0] == plain[1]
     assert timed[0] > timed[1] == plain[1]
 
@@ -92,10 +91,10 @@ def test_a_neighbouring_turn_of_a_strong_hit_is_lifted_above_a_lone_equal_one() 
     answer = row(0.40, None, session_id="s1", observed_at=T0 + timedelta(minutes=1))
     lone = row(0.40, None, session_id="s2", observed_at=T0 + timedelta(minutes=1))
     far = row(0.40, None, session_id="s1", observed_at=T0 + timedelta(hours=2))
-    r_question, r_answer, r_lone, r_far = relevance_of([question, answer, lone, far], TUNING)
+    r_question, r_answer, r_lone, r_far = evidence_of([question, answer, lone, far], TUNING)
     assert r_answer > r_far > r_lone  # the neighbour gets most; the rest of the session a little
     assert r_question >= r_answer
-    without = relevance_of([question, answer, lone, far], SearchTuning(neighbour_weight=0, session_weight=0))
+    without = evidence_of([question, answer, lone, far], SearchTuning(neighbour_weight=0, session_weight=0))
     assert without[1] == without[2] == without[3]
 
 
@@ -129,9 +128,9 @@ def test_names_are_capitalized_words_that_do_not_start_a_sentence() -> None:
 def test_a_memory_holding_a_name_the_query_mentions_is_lifted_above_an_equal_one_without_it() -> None:
     with_name = row(text=3.0, content="Maria: I painted the lake last week.")
     without = row(text=3.0, content="Jonas: I painted the lake last week.")
-    named, plain = relevance_of([with_name, without], TUNING, names=names_in("What did Maria paint?"))
+    named, plain = evidence_of([with_name, without], TUNING, names=names_in("What did Maria paint?"))
     assert named == pytest.approx(plain + TUNING.name_weight)
-    assert relevance_of([with_name, without], TUNING, names=names_in("What did Oskar paint?")) == [plain, plain]
+    assert evidence_of([with_name, without], TUNING, names=names_in("What did Oskar paint?")) == [plain, plain]
 
 
 def test_the_splade_score_adds_to_bm25_in_bm25_units() -> None:
@@ -148,7 +147,7 @@ def test_a_memory_the_sparse_leg_also_found_outranks_an_equal_one_it_did_not() -
     unrelated = SearchRow(memory("John: The weather is fine."), 0.5, 3.0, 1, None)
     strong = 4 * TUNING.text_half / TUNING.sparse_weight  # text evidence 0.8 from SPLADE alone
     only_sparse = SearchRow(memory("John: We won the game."), None, None, 0, strong)
-    r_related, r_unrelated, r_sparse = relevance_of([related, unrelated, only_sparse], TUNING)
+    r_related, r_unrelated, r_sparse = evidence_of([related, unrelated, only_sparse], TUNING)
     assert r_related > r_unrelated
     assert r_sparse >= TUNING.relevance_floor  # a strong SPLADE match alone is an answer
     hits = rank([unrelated, related, only_sparse], "Which team did John sign with?", 2, NOW, TUNING)

@@ -17,7 +17,8 @@ from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.memory.refinery import Redactor
 from ibex_dataplane.memory.repository import MemoryRepository
-from ibex_dataplane.memory.search import MemorySearch, SearchTuning
+from ibex_dataplane.memory.search import MemorySearch
+from ibex_dataplane.memory.tuning import SearchTuning
 from ibex_dataplane.memory.validation import SearchQuery
 from ibex_dataplane.store.errors import StoreUnavailable
 

@@ -41,9 +41,10 @@ from ibex_dataplane.memory.refinery import (
     Validate,
 )
 from ibex_dataplane.memory.repository import MemoryRepository
-from ibex_dataplane.memory.search import MemorySearch, SearchTuning
+from ibex_dataplane.memory.search import MemorySearch
 from ibex_dataplane.memory.service import BackgroundWork, MemoryService
 from ibex_dataplane.memory.sparse import SparseBackfill
+from ibex_dataplane.memory.tuning import SearchTuning
 from ibex_dataplane.providers.catalog import ModelCatalog, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.runtime.stores import Stores

@@ -6,19 +6,15 @@ runs while the masked query is embedded, then the HNSW leg (iterative scan under
 cutoff after the index scan) runs; beside them the sparse leg encodes the masked query with SPLADE (its own model
 thread) and scores the postings of migration 0025. All read active, currently valid memories, hydrated, and are
 merged by id.
-Then, here and pure (:func:`relevance_of`, so the tests and the tuning runs reuse it):
+Then, here and pure (:func:`rank`):
 
-1. fusion: each leg's evidence on an absolute scale (cosine between ``similarity_zero`` and ``similarity_full``;
-   term evidence ``s / (s + text_half)`` with ``s`` = BM25 + ``sparse_weight`` x SPLADE dot product), weighted and
-   summed, plus a bonus when both agree;
-2. time: a query naming a day, a month or a year lifts memories whose validity starts inside it;
-   names: a memory holding a name the query mentions (a capitalized word not starting a sentence) is lifted;
-3. neighbours: a memory observed within ``neighbour_seconds`` of a strong hit in the same session, and every
-   memory of a session that holds strong hits, is lifted by a share of their evidence (turns of one conversation
-   explain each other: a question matches a reply, the fact sits in the turn before);
-4. the relevance floor drops what is left below it, so junk finds nothing.
+1. the evidence of :mod:`~ibex_dataplane.memory.evidence` (each leg on an absolute scale, named periods, names,
+   neighbours and sessions) decides which candidates may answer: below the relevance floor, nothing, so junk
+   finds nothing;
+2. the learned ranker of :mod:`~ibex_dataplane.memory.ranker` orders the survivors; the ``limit`` best are the
+   answer and its score, mapped to [0, 1], is their ``relevance`` component.
 
-The ``limit`` most relevant survivors are returned, ordered by the composite score
+The answer is ordered by the composite score
 
     0.40 relevance + 0.25 recency + 0.20 usefulness + 0.10 confidence + 0.05 access_frequency
 
@@ -30,71 +26,27 @@ by the service; retrieval bookkeeping for the returned hits runs after the answe
 from __future__ import annotations
 
 import asyncio
-import calendar
 import contextlib
 import math
-import re
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 
 from ibex_dataplane.embedding import Embedder, EmbeddingError, SparseEncoder, SparseVector
+from ibex_dataplane.memory.evidence import evidence_of, names_in, periods_named
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Memory, Tenant
+from ibex_dataplane.memory.ranker import Ranker, default_ranker, features
 from ibex_dataplane.memory.refinery import Redactor
 from ibex_dataplane.memory.repository import MemoryRepository, SearchRow, merge_legs
+from ibex_dataplane.memory.tuning import SearchTuning
 from ibex_dataplane.memory.validation import SearchQuery
 from ibex_dataplane.pii import PiiError
 from ibex_dataplane.shared.errors import Degraded
-
-
-@dataclass(frozen=True, slots=True)
-class ScoreWeights:
-    relevance: float = 0.40
-    recency: float = 0.25
-    usefulness: float = 0.20
-    confidence: float = 0.10
-    frequency: float = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class SearchTuning:
-    """Every knob of retrieval; the defaults are calibrated on the LoCoMo development split for MiniLM."""
-
-    min_similarity: float = 0.20  # ANN cutoff, before hydration (kept low: weak hits can still be lifted)
-    relevance_floor: float = 0.30  # drop candidates below this relevance before scoring
-    recency_half_life_days: float = 30.0
-    frequency_half_saturation: float = 5.0  # retrieval_count at which the frequency component reaches 0.5
-    ann_candidates: int = 40
-    text_candidates: int = 60
-    text_term_rows: int = 400  # memories read per query term for BM25 document frequencies
-    text_population: int = 20000  # memories counted for BM25 idf
-    vector_weight: float = 0.30
-    text_weight: float = 0.70
-    agreement_bonus: float = 0.0  # both legs found it (measured: no gain on top of the weighted sum)
-    similarity_zero: float = 0.30  # cosine that is no evidence at all for MiniLM (unrelated sentences)
-    similarity_full: float = 0.80  # cosine that is full evidence
-    text_half: float = 12.0  # BM25 score plus the weighted SPLADE dot product that is half evidence (6 before it)
-    sparse_weight: float = 0.2  # SPLADE dot product added to the BM25 score, in BM25 units (0: no sparse leg)
-    sparse_candidates: int = 60
-    sparse_term_rows: int = 400  # postings read per query token (the highest weights)
-    name_weight: float = 0.10  # lift for a memory holding a name the query mentions (see names_in)
-    time_weight: float = 0.10  # lift for memories valid from inside a period the query names
-    neighbour_weight: float = 0.35  # share of a neighbour's evidence lent to a memory observed close to it
-    neighbour_seconds: float = 120.0  # how close (observed_at, same session) counts as a neighbour
-    session_weight: float = 0.20  # share of the best evidence in a session lent to all of its memories
-    weights: ScoreWeights = ScoreWeights()
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.relevance_floor < 1:
-            raise ValueError("the relevance floor must be in [0, 1)")
-        if not self.similarity_zero < self.similarity_full:
-            raise ValueError("similarity_zero must be below similarity_full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,144 +81,6 @@ class SearchHit:
             "components": self.components.to_wire(),
             "matched_by": self.matched_by,
         }
-
-
-# -- relevance (pure) -----------------------------------------------------------------------------------------------
-
-_MONTHS = {name.lower(): i for i, name in enumerate(calendar.month_name) if name} | {
-    name.lower(): i for i, name in enumerate(calendar.month_abbr) if name
-}
-_MONTH = "|".join(sorted(_MONTHS, key=len, reverse=True))
-_DAY_MONTH_YEAR = re.compile(rf"\b(\d{{1,2}})(?:st|nd|rd|th)?\s+({_MONTH})\.?,?\s+((?:19|20)\d\d)\b", re.I)
-_MONTH_DAY_YEAR = re.compile(rf"\b({_MONTH})\.?\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+((?:19|20)\d\d)\b", re.I)
-_MONTH_YEAR = re.compile(rf"\b({_MONTH})\.?,?\s+(?:of\s+)?((?:19|20)\d\d)\b", re.I)
-_ISO_DATE = re.compile(r"\b((?:19|20)\d\d)-(\d\d)-(\d\d)\b")
-_YEAR = re.compile(r"\b((?:19|20)\d\d)\b")
-
-
-@dataclass(frozen=True, slots=True)
-class Period:
-    """A half-open stretch of time a query names: [start, end)."""
-
-    start: datetime
-    end: datetime
-
-    def holds(self, instant: datetime | None) -> bool:
-        return instant is not None and self.start <= instant < self.end
-
-
-def _month(year: int, month: int) -> Period:
-    start = datetime(year, month, 1, tzinfo=UTC)
-    end = datetime(year + (month == 12), month % 12 + 1, 1, tzinfo=UTC)
-    return Period(start, end)
-
-
-def _day(year: int, month: int, day: int) -> Period | None:
-    try:
-        start = datetime(year, month, day, tzinfo=UTC)
-    except ValueError:
-        return None
-    # A day spoken of is a day somewhere: a day either side covers every time zone and "the night before".
-    return Period(start - timedelta(days=1), start + timedelta(days=2))
-
-
-def periods_named(query: str) -> list[Period]:
-    """The days, months and years a query names explicitly ("on 8 May 2023", "in June 2022", "2021")."""
-    found: list[Period] = []
-    spans: list[tuple[int, int]] = []
-
-    def take(match: re.Match[str], period: Period | None) -> None:
-        if period is not None and not any(a < match.end() and match.start() < b for a, b in spans):
-            found.append(period)
-            spans.append((match.start(), match.end()))
-
-    for m in _ISO_DATE.finditer(query):
-        take(m, _day(int(m.group(1)), int(m.group(2)), int(m.group(3))))
-    for m in _DAY_MONTH_YEAR.finditer(query):
-        take(m, _day(int(m.group(3)), _MONTHS[m.group(2).lower()], int(m.group(1))))
-    for m in _MONTH_DAY_YEAR.finditer(query):
-        take(m, _day(int(m.group(3)), _MONTHS[m.group(1).lower()], int(m.group(2))))
-    for m in _MONTH_YEAR.finditer(query):
-        take(m, _month(int(m.group(2)), _MONTHS[m.group(1).lower()]))
-    for m in _YEAR.finditer(query):
-        year = int(m.group(1))
-        take(m, Period(datetime(year, 1, 1, tzinfo=UTC), datetime(year + 1, 1, 1, tzinfo=UTC)))
-    return found
-
-
-_CAPITALIZED = re.compile(r"\b([A-Z][A-Za-z]+)\b")
-_SENTENCE_START = re.compile(r"(?:^|[.?!:;\"(]\s*)$")
-_WORD = re.compile(r"[A-Za-z]+")
-
-
-def names_in(query: str) -> frozenset[str]:
-    """Capitalized words of the query that do not start a sentence: names ("What did Maria paint?" -> Maria)."""
-    found = set()
-    for m in _CAPITALIZED.finditer(query):
-        if not _SENTENCE_START.search(query[: m.start()]):
-            found.add(m.group(1))
-    return frozenset(found)
-
-
-def holds_a_name(memory: Memory, names: frozenset[str]) -> bool:
-    return bool(names) and not names.isdisjoint(_WORD.findall(memory.content or ""))
-
-
-def vector_evidence(similarity: float | None, t: SearchTuning) -> float:
-    if similarity is None:
-        return 0.0
-    return max(0.0, min(1.0, (similarity - t.similarity_zero) / (t.similarity_full - t.similarity_zero)))
-
-
-def text_evidence(score: float | None, t: SearchTuning, sparse: float | None = None) -> float:
-    """BM25 plus ``sparse_weight`` times the SPLADE dot product, on the scale ``s / (s + text_half)``."""
-    total = (score or 0.0) + t.sparse_weight * (sparse or 0.0)
-    if total <= 0:
-        return 0.0
-    return total / (total + t.text_half)
-
-
-def _observed(memory: Memory) -> datetime:
-    return memory.observed_at or memory.valid_from or memory.created_at
-
-
-def relevance_of(
-    rows: Sequence[SearchRow],
-    tuning: SearchTuning,
-    periods: Sequence[Period] = (),
-    names: frozenset[str] = frozenset(),
-) -> list[float]:
-    """Relevance in [0, 1] of each candidate, in the order given (the floor is the caller's)."""
-    t = tuning
-    own: list[float] = []
-    named: list[bool] = []
-    for row in rows:
-        v, x = vector_evidence(row.similarity, t), text_evidence(row.text_score, t, row.sparse_score)
-        fused = t.vector_weight * v + t.text_weight * x + (t.agreement_bonus if v > 0 and x > 0 else 0.0)
-        if periods and any(p.holds(row.memory.valid_from) or p.holds(row.memory.observed_at) for p in periods):
-            fused += t.time_weight
-        own.append(fused)
-        named.append(holds_a_name(row.memory, names))
-    lifted = list(own)
-    if t.neighbour_weight > 0 or t.session_weight > 0:
-        sessions: dict[str, list[int]] = defaultdict(list)
-        for i, row in enumerate(rows):
-            if row.memory.session_id is not None:
-                sessions[row.memory.session_id].append(i)
-        window = t.neighbour_seconds
-        for members in sessions.values():
-            best = max(own[i] for i in members)
-            ordered = sorted(members, key=lambda i: _observed(rows[i].memory))
-            for pos, i in enumerate(ordered):
-                near = 0.0
-                at = _observed(rows[i].memory)
-                for j in ordered[max(0, pos - 8) : pos + 9]:
-                    if j != i and abs((_observed(rows[j].memory) - at).total_seconds()) <= window:
-                        near = max(near, own[j])
-                lifted[i] += t.neighbour_weight * near + t.session_weight * best
-    # Names are the sharpest words of a question, yet a name an agent hears often has a low idf in BM25.
-    lifted = [r + (t.name_weight if n else 0.0) for r, n in zip(lifted, named, strict=True)]
-    return [max(0.0, min(1.0, r)) for r in lifted]
 
 
 def recency(anchor: datetime, now: datetime, half_life_days: float) -> float:
@@ -309,18 +123,34 @@ def matched_by(row: SearchRow) -> str:
 
 
 def rank(
-    rows: Sequence[SearchRow], query_text: str, limit: int, now: datetime, tuning: SearchTuning
+    rows: Sequence[SearchRow],
+    query_text: str,
+    limit: int,
+    now: datetime,
+    tuning: SearchTuning,
+    ranker: Ranker | None = None,
 ) -> list[SearchHit]:
-    """The answer: the ``limit`` most relevant candidates at or above the floor, ordered by composite score."""
-    relevance = relevance_of(rows, tuning, periods_named(query_text), names_in(query_text))
-    kept = sorted(
-        ((r, row) for r, row in zip(relevance, rows, strict=True) if r >= tuning.relevance_floor),
-        key=lambda pair: (-pair[0], str(pair[1].memory.id)),
-    )[:limit]
+    """The answer: of the candidates whose evidence reaches the floor, the ``limit`` the ranker puts first (by
+    evidence when ``ranker`` is None), ordered by composite score."""
+    periods, names = periods_named(query_text), names_in(query_text)
+    evidence = evidence_of(rows, tuning, periods, names)
+    passed = [i for i, e in enumerate(evidence) if e >= tuning.relevance_floor]
+    if ranker is None:
+        relevance = evidence
+        order = {i: -evidence[i] for i in passed}
+    else:
+        chosen = [rows[i] for i in passed]
+        scores = ranker.scores(features(chosen, tuning, periods, names))
+        mapped = ranker.relevance(scores)
+        relevance = [0.0] * len(rows)
+        order = {}
+        for i, s, r in zip(passed, scores.tolist(), mapped.tolist(), strict=True):
+            relevance[i], order[i] = r, -s
+    kept = sorted(passed, key=lambda i: (order[i], str(rows[i].memory.id)))[:limit]
     hits: list[SearchHit] = []
-    for r, row in kept:
-        total, components = score(row.memory, r, now, tuning)
-        hits.append(SearchHit(row.memory, total, components, matched_by(row)))
+    for i in kept:
+        total, components = score(rows[i].memory, relevance[i], now, tuning)
+        hits.append(SearchHit(rows[i].memory, total, components, matched_by(rows[i])))
     hits.sort(key=lambda h: (-h.score, -h.components.relevance, str(h.memory.id)))
     return hits
 
@@ -334,6 +164,7 @@ class MemorySearch:
         metrics: MemoryMetrics,
         tuning: SearchTuning,
         sparse: SparseEncoder | None = None,
+        ranker: Ranker | None = None,
     ) -> None:
         self._repo = repo
         self._embedder = embedder
@@ -341,6 +172,7 @@ class MemorySearch:
         self._redactor = redactor
         self._metrics = metrics
         self.tuning = tuning
+        self.ranker = ranker if ranker is not None else default_ranker()
 
     async def candidates(self, tenant: Tenant, query: SearchQuery) -> tuple[str, list[SearchRow]]:
         """The masked query and every hit of either leg (unranked).
@@ -437,7 +269,7 @@ class MemorySearch:
     async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
         masked, rows = await self.candidates(tenant, query)
         started = time.perf_counter()
-        hits = rank(rows, masked, query.limit, query.as_of or datetime.now(UTC), self.tuning)
+        hits = rank(rows, masked, query.limit, query.as_of or datetime.now(UTC), self.tuning, self.ranker)
         for hit in hits:
             self._metrics.search_hits.labels(hit.matched_by).inc()
         self._metrics.search_seconds.labels("score").observe(time.perf_counter() - started)
