@@ -171,12 +171,14 @@ def show(label: str, result: dict[str, dict[int, float]]) -> None:
 
 
 def commit() -> str:
+    """The checked-out commit, with ``-dirty`` when the working tree has changes (the weights then come from code
+    no commit holds)."""
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
 def train(path: Path, out: Path, epochs: int, lr: float, l2: float, seed: int) -> int:

@@ -4,7 +4,6 @@ search uses it (the floor still decides what may answer; the ranker only orders)
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -12,11 +11,12 @@ import numpy as np
 import pytest
 
 from ibex_dataplane.memory.evidence import names_in, periods_named
-from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
+from ibex_dataplane.memory.models import Memory
 from ibex_dataplane.memory.ranker import FEATURES, Ranker, RankerError, default_ranker, features
 from ibex_dataplane.memory.repository import SearchRow
 from ibex_dataplane.memory.search import rank
 from ibex_dataplane.memory.tuning import SearchTuning
+from tests.support.records import stored_memory
 
 T0 = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -25,14 +25,7 @@ COLUMN = {name: i for i, name in enumerate(FEATURES)}
 
 
 def memory(content: str, **overrides: object) -> Memory:
-    base: dict[str, object] = dict(
-        id=uuid.uuid4(), agent_id=uuid.uuid4(), content=content, status=MemoryStatus.ACTIVE, labels=(),
-        source=MemorySource.IMPORTED, confidence=1.0, usefulness=0.5, valid_from=T0, valid_until=None,
-        observed_at=T0, session_id=None, metadata={}, revision=1, retrieval_count=0, last_retrieved_at=None,
-        created_at=T0, updated_at=T0,
-    )  # fmt: skip
-    base.update(overrides)
-    return Memory(**base)  # type: ignore[arg-type]
+    return stored_memory(content, T0, **overrides)
 
 
 def row(content: str, similarity: float | None = None, text: float | None = None, **fields: object) -> SearchRow:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -15,10 +14,11 @@ from ibex_dataplane.memory.evidence import (
     text_evidence,
     vector_evidence,
 )
-from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
+from ibex_dataplane.memory.models import Memory
 from ibex_dataplane.memory.repository import SearchRow, merge_legs
 from ibex_dataplane.memory.search import matched_by, rank
 from ibex_dataplane.memory.tuning import SearchTuning
+from tests.support.records import stored_memory
 
 T0 = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -26,14 +26,7 @@ TUNING = SearchTuning()
 
 
 def memory(content: str = "c", **overrides: object) -> Memory:
-    base: dict[str, object] = dict(
-        id=uuid.uuid4(), agent_id=uuid.uuid4(), content=content, status=MemoryStatus.ACTIVE, labels=(),
-        source=MemorySource.IMPORTED, confidence=1.0, usefulness=0.5, valid_from=T0, valid_until=None,
-        observed_at=T0, session_id=None, metadata={}, revision=1, retrieval_count=0, last_retrieved_at=None,
-        created_at=T0, updated_at=T0,
-    )  # fmt: skip
-    base.update(overrides)
-    return Memory(**base)  # type: ignore[arg-type]
+    return stored_memory(content, T0, **overrides)
 
 
 def row(similarity: float | None = None, text: float | None = None, **fields: object) -> SearchRow:

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import pickle
 import sys
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import ModuleType
@@ -15,9 +14,9 @@ from types import ModuleType
 import numpy as np
 
 from ibex_dataplane.evaluation.dataset import Question
-from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
 from ibex_dataplane.memory.ranker import Ranker
 from ibex_dataplane.memory.repository import SearchRow
+from tests.support.records import stored_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
@@ -34,12 +33,7 @@ def trainer() -> ModuleType:
 
 def candidate(content: str, similarity: float, text: float, minute: int, dia_id: str) -> SearchRow:
     at = T0 + timedelta(minutes=minute)
-    memory = Memory(
-        id=uuid.uuid4(), agent_id=uuid.uuid4(), content=content, status=MemoryStatus.ACTIVE, labels=(),
-        source=MemorySource.IMPORTED, confidence=1.0, usefulness=0.5, valid_from=at, valid_until=None,
-        observed_at=at, session_id=f"s{minute // 30}", metadata={"dia_id": dia_id}, revision=1, retrieval_count=0,
-        last_retrieved_at=None, created_at=at, updated_at=at,
-    )  # fmt: skip
+    memory = stored_memory(content, at, session_id=f"s{minute // 30}", metadata={"dia_id": dia_id})
     return SearchRow(memory, similarity, text, 1)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import calendar
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
@@ -142,6 +142,30 @@ def observed(memory: Memory) -> datetime:
     return memory.observed_at or memory.valid_from or memory.created_at
 
 
+NEIGHBOURHOOD = 8  # turns either side, in observed order, looked at for a neighbour
+
+
+def by_session(rows: Sequence[SearchRow]) -> list[list[int]]:
+    """The candidates (indexes, in the order given) of each session; candidates without a session in none."""
+    sessions: dict[str, list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        if row.memory.session_id is not None:
+            sessions[row.memory.session_id].append(i)
+    return list(sessions.values())
+
+
+def neighbours(rows: Sequence[SearchRow], members: Sequence[int], window: float) -> Iterator[tuple[int, int, float]]:
+    """``(i, j, seconds from i to j)`` for each candidate ``i`` of one session and each other candidate ``j`` of it
+    observed within ``window`` seconds, among the :data:`NEIGHBOURHOOD` either side in observed order."""
+    at = {i: observed(rows[i].memory).timestamp() for i in members}
+    ordered = sorted(members, key=at.__getitem__)
+    for pos, i in enumerate(ordered):
+        for j in ordered[max(0, pos - NEIGHBOURHOOD) : pos + NEIGHBOURHOOD + 1]:
+            gap = at[j] - at[i]
+            if j != i and -window <= gap <= window:
+                yield i, j, gap
+
+
 def evidence_of(
     rows: Sequence[SearchRow],
     tuning: SearchTuning,
@@ -161,21 +185,13 @@ def evidence_of(
         named.append(holds_a_name(row.memory.content or "", names))
     lifted = list(own)
     if t.neighbour_weight > 0 or t.session_weight > 0:
-        sessions: dict[str, list[int]] = defaultdict(list)
-        for i, row in enumerate(rows):
-            if row.memory.session_id is not None:
-                sessions[row.memory.session_id].append(i)
-        window = t.neighbour_seconds
-        for members in sessions.values():
+        for members in by_session(rows):
             best = max(own[i] for i in members)
-            at = {i: observed(rows[i].memory).timestamp() for i in members}
-            ordered = sorted(members, key=at.__getitem__)
-            for pos, i in enumerate(ordered):
-                near = 0.0
-                for j in ordered[max(0, pos - 8) : pos + 9]:
-                    if j != i and abs(at[j] - at[i]) <= window:
-                        near = max(near, own[j])
-                lifted[i] += t.neighbour_weight * near + t.session_weight * best
+            near = dict.fromkeys(members, 0.0)
+            for i, j, _ in neighbours(rows, members, t.neighbour_seconds):
+                near[i] = max(near[i], own[j])
+            for i in members:
+                lifted[i] += t.neighbour_weight * near[i] + t.session_weight * best
     # Names are the sharpest words of a question, yet a name an agent hears often has a low idf in BM25.
     lifted = [r + (t.name_weight if n else 0.0) for r, n in zip(lifted, named, strict=True)]
     return [max(0.0, min(1.0, r)) for r in lifted]

@@ -17,7 +17,6 @@ are matched by name, so a weight file for other features is refused at load.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -26,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ibex_dataplane.memory.evidence import Period, holds_a_name, observed, starts_with_a_name
+from ibex_dataplane.memory.evidence import Period, by_session, holds_a_name, neighbours, starts_with_a_name
 from ibex_dataplane.memory.repository import SearchRow
 from ibex_dataplane.memory.tuning import SearchTuning
 
@@ -57,7 +56,6 @@ FEATURES: tuple[str, ...] = (
     "has_question",  # holds a "?"
     "query_terms",  # query lexemes it holds / 5
 )
-_NEIGHBOURHOOD = 8  # turns either side (in observed order) looked at for a neighbour
 
 
 class RankerError(ValueError):
@@ -116,25 +114,16 @@ def features(
 
     near, before, after = np.zeros(n), np.zeros(n), np.zeros(n)
     session_best, session_size = np.zeros(n), np.zeros(n)
-    sessions: dict[str, list[int]] = defaultdict(list)
-    for i, r in enumerate(rows):
-        if r.memory.session_id is not None:
-            sessions[r.memory.session_id].append(i)
-    window = t.neighbour_seconds
-    for members in sessions.values():
-        at = {i: observed(rows[i].memory).timestamp() for i in members}
-        ordered = sorted(members, key=at.__getitem__)
+    for members in by_session(rows):
         best = max(fused[i] for i in members)
-        for pos, i in enumerate(ordered):
+        for i in members:
             session_best[i], session_size[i] = best, len(members)
-            for j in ordered[max(0, pos - _NEIGHBOURHOOD) : pos + _NEIGHBOURHOOD + 1]:
-                gap = at[j] - at[i]
-                if j != i and -window <= gap <= window:
-                    near[i] = max(near[i], fused[j])
-                    if gap < 0:
-                        before[i] = max(before[i], fused[j])
-                    else:
-                        after[i] = max(after[i], fused[j])
+        for i, j, gap in neighbours(rows, members, t.neighbour_seconds):
+            near[i] = max(near[i], fused[j])
+            if gap < 0:
+                before[i] = max(before[i], fused[j])
+            else:
+                after[i] = max(after[i], fused[j])
     top = float(fused.max(initial=0.0))
 
     contents = [(r.memory.content or "").rstrip() for r in rows]
