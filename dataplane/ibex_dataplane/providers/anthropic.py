@@ -270,25 +270,7 @@ class AnthropicProvider(HttpProvider):
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
         response = await self._open(request, self._payload(request, stream=False), accept="application/json")
-        try:
-            async with asyncio.timeout(self._remaining(request)):
-                raw = await response.read()
-        except TimeoutError as e:
-            response.close()
-            self._breaker.record_failure()
-            raise self._timeout_error(request, "reading the answer") from e
-        except aiohttp.ClientError as e:
-            response.close()
-            self._breaker.record_failure()
-            raise ProviderError("upstream connection broke while answering", provider=self._name) from e
-        except BaseException:
-            response.close()
-            raise
-        response.release()
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise ProviderError("upstream answered with invalid JSON", provider=self._name) from e
+        parsed = await self._read_json(request, response)
         if not isinstance(parsed, dict) or parsed.get("type") != "message":
             raise ProviderError("upstream answer is not a Messages message", provider=self._name)
         body, usage = anthropic_to_chat(parsed, request.model)

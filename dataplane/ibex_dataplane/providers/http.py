@@ -130,6 +130,29 @@ class HttpProvider:
             return ProviderTimeout(f"deadline passed while {what}", provider=self._name)
         return ProviderUnavailable(f"upstream went silent while {what}", provider=self._name)
 
+    async def _read_json(self, request: AnyRequest, response: aiohttp.ClientResponse) -> Any:
+        """The whole answer of an opened request, decoded, within the request's deadline. A silent or broken
+        upstream counts as a failure for the breaker; the connection is released either way."""
+        try:
+            async with asyncio.timeout(self._remaining(request)):
+                raw = await response.read()
+        except TimeoutError as e:
+            response.close()
+            self._breaker.record_failure()
+            raise self._timeout_error(request, "reading the answer") from e
+        except aiohttp.ClientError as e:
+            response.close()
+            self._breaker.record_failure()
+            raise ProviderError("upstream connection broke while answering", provider=self._name) from e
+        except BaseException:
+            response.close()
+            raise
+        response.release()
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise ProviderError("upstream answered with invalid JSON", provider=self._name) from e
+
     async def _open(
         self, request: AnyRequest, payload: bytes, *, accept: str, url: str | None = None
     ) -> aiohttp.ClientResponse:

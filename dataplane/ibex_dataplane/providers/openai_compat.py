@@ -88,25 +88,7 @@ class OpenAICompatProvider(HttpProvider):
         body.pop("stream", None)
         body.pop("stream_options", None)
         response = await self._open(request, orjson.dumps(body), accept="application/json")
-        try:
-            async with asyncio.timeout(self._remaining(request)):
-                raw = await response.read()
-        except TimeoutError as e:
-            response.close()
-            self._breaker.record_failure()
-            raise self._timeout_error(request, "reading the answer") from e
-        except aiohttp.ClientError as e:
-            response.close()
-            self._breaker.record_failure()
-            raise ProviderError("upstream connection broke while answering", provider=self._name) from e
-        except BaseException:
-            response.close()
-            raise
-        response.release()
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise ProviderError("upstream answered with invalid JSON", provider=self._name) from e
+        parsed = await self._read_json(request, response)
         if not isinstance(parsed, dict) or not isinstance(parsed.get("choices"), list):
             raise ProviderError("upstream answer is not a chat completion", provider=self._name)
         usage = _reported_usage(parsed.get("usage"))
@@ -120,25 +102,7 @@ class OpenAICompatProvider(HttpProvider):
         response = await self._open(
             request, orjson.dumps(body), accept="application/json", url=self._base_url + "/embeddings"
         )
-        try:
-            async with asyncio.timeout(self._remaining(request)):
-                raw = await response.read()
-        except TimeoutError as e:
-            response.close()
-            self._breaker.record_failure()
-            raise self._timeout_error(request, "reading the answer") from e
-        except aiohttp.ClientError as e:
-            response.close()
-            self._breaker.record_failure()
-            raise ProviderError("upstream connection broke while answering", provider=self._name) from e
-        except BaseException:
-            response.close()
-            raise
-        response.release()
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise ProviderError("upstream answered with invalid JSON", provider=self._name) from e
+        parsed = await self._read_json(request, response)
         if not isinstance(parsed, dict) or not isinstance(parsed.get("data"), list):
             raise ProviderError("upstream answer is not an embeddings list", provider=self._name)
         usage = parsed.get("usage")
