@@ -386,6 +386,20 @@ class GenerationHandler:
         finally:
             accounting.trace(state, route, status, error_code)
 
+    def _failed(self, state: GateState, plan: GenerationPlan, e: ProviderError) -> web.Response:
+        """A provider call that failed: counted, nothing served is billed, the error answered in the envelope."""
+        self._s.metrics.provider_calls.labels(e.provider, e.code).inc()
+        state.extra["error_code"] = e.code
+        self._s.accounting.after(state, plan, None, plan.model.name)
+        return provider_error_response(e, state)
+
+    def _served(self, plan: GenerationPlan, provider: str, started: float) -> None:
+        """A provider call that answered: who served it, how long it took, counted."""
+        plan.provider = provider
+        plan.upstream_ms = (time.perf_counter() - started) * 1000
+        self._s.metrics.provider_calls.labels(provider, "ok").inc()
+        self._s.metrics.provider_seconds.labels(provider).observe(plan.upstream_ms / 1000)
+
     async def _embed(self, state: GateState, plan: GenerationPlan) -> web.StreamResponse:
         request = EmbeddingRequest(
             body=plan.body, model=plan.model.name, deadline=time.monotonic() + DEFAULT_DEADLINE,
@@ -396,17 +410,11 @@ class GenerationHandler:
         try:
             answer = await self._s.providers.embed(request)
         except ProviderError as e:
-            self._s.metrics.provider_calls.labels(e.provider, e.code).inc()
-            state.extra["error_code"] = e.code
-            accounting.after(state, plan, None, plan.model.name)
-            return provider_error_response(e, state)
+            return self._failed(state, plan, e)
         except BaseException:
             accounting.after(state, plan, None, plan.model.name)
             raise
-        plan.provider = answer.provider
-        plan.upstream_ms = (time.perf_counter() - started) * 1000
-        self._s.metrics.provider_calls.labels(answer.provider, "ok").inc()
-        self._s.metrics.provider_seconds.labels(answer.provider).observe(plan.upstream_ms / 1000)
+        self._served(plan, answer.provider, started)
         accounting.after(state, plan, answer.usage, answer.model)
         if plan.fallback_served:
             state.response_headers[FALLBACK_HEADER] = answer.model
@@ -429,17 +437,11 @@ class GenerationHandler:
         try:
             answer = await self._s.providers.complete(chat)
         except ProviderError as e:
-            self._s.metrics.provider_calls.labels(e.provider, e.code).inc()
-            state.extra["error_code"] = e.code
-            accounting.after(state, plan, None, plan.model.name)
-            return provider_error_response(e, state)
+            return self._failed(state, plan, e)
         except BaseException:
             accounting.after(state, plan, None, plan.model.name)
             raise
-        plan.provider = answer.provider
-        plan.upstream_ms = (time.perf_counter() - started) * 1000
-        self._s.metrics.provider_calls.labels(answer.provider, "ok").inc()
-        self._s.metrics.provider_seconds.labels(answer.provider).observe(plan.upstream_ms / 1000)
+        self._served(plan, answer.provider, started)
         choices = answer.body.get("choices")
         accounting.after(state, plan, answer.usage, answer.model, content_digest(choices), answer_text(choices))
         if plan.fallback_served:
