@@ -71,12 +71,21 @@ class Settings(BaseSettings):
         default=0.20, ge=0, le=1, description="Search ANN cutoff: vector hits below this cosine similarity drop."
     )
     memory_relevance_floor: float = Field(
-        default=0.30, ge=0, lt=1, description="Search candidates below this relevance are dropped before scoring."
+        default=0.30,
+        ge=0,
+        lt=1,
+        description=(
+            "Search candidates whose evidence (the fused legs with their lifts) is below this are dropped before"
+            " ranking."
+        ),
     )
     memory_neighbour_seconds: float = Field(
         default=120.0,
         ge=0,
-        description="Search: memories of one session observed this close together lend each other relevance.",
+        description=(
+            "Search: memories of one session observed this close together lend each other evidence (and are each"
+            " other's neighbours for the ranker)."
+        ),
     )
     memory_near_duplicate_similarity: float = Field(
         default=0.92, gt=0, le=1, description="Cosine similarity above which a write is a near duplicate."
