@@ -861,7 +861,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     op = _command(sub, "operator", "run the Kubernetes operator (Organization, Agent, Directive, ApiKey)")
     op.add_argument(
-        "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig file (default: KUBECONFIG, in-cluster)"
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        help="kubeconfig file (default: KUBECONFIG, else the in-cluster service account, else ~/.kube/config)",
     )
     op.add_argument(
         "--namespace", action="append", help="watch only this namespace or glob (repeatable; default: all namespaces)"
