@@ -96,6 +96,17 @@ def test_the_chart_renders_the_data_plane_and_operator_as_specified(helm: Helm) 
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert c["resources"]["requests"] and c["securityContext"]["readOnlyRootFilesystem"] is True
     assert data_plane["automountServiceAccountToken"] is False
+    # The stages start once the operator has migrated: an init container waits for it with the data plane's DSN.
+    (wait,) = data_plane["initContainers"]
+    assert wait["name"] == "wait-for-schema" and wait["args"] == ["wait-schema", "--timeout", "600"]
+    wait_env = {e["name"]: e for e in wait["env"]}
+    proxy_env = {e["name"]: e for e in containers["proxy"]["env"]}
+    assert wait_env["IBEX_POSTGRES_DSN"] == proxy_env["IBEX_POSTGRES_DSN"]  # the stages' own DSN, not the admin's
+    assert "IBEX_POSTGRES_ADMIN_DSN" not in wait_env and "IBEX_KEY_PEPPER" not in wait_env
+    assert wait["resources"]["requests"] and wait["securityContext"]["readOnlyRootFilesystem"] is True
+    off = helm.template("--set", "dataPlane.waitForSchema.enabled=false,dataPlane.waitForSchema.timeoutSeconds=5")
+    (deployment,) = [d for d in off if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-ibex-dataplane"]
+    assert "initContainers" not in deployment["spec"]["template"]["spec"]
     services = [d for d in docs if d["kind"] == "Service"]
     assert [s["metadata"]["name"] for s in services] == ["rel-ibex-dataplane"]
     assert services[0]["spec"]["ports"][0]["targetPort"] == "http"  # the proxy, only
@@ -429,7 +440,8 @@ def test_every_container_runs_a_real_ibex_subcommand_with_real_flags_and_setting
     for doc in helm.template(*EVERYTHING_ON):
         if doc["kind"] != "Deployment":
             continue
-        for container in doc["spec"]["template"]["spec"]["containers"]:
+        pod = doc["spec"]["template"]["spec"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
             assert container["command"] == ["ibex"], container["name"]
             args = container.get("args", [])
             try:
@@ -440,4 +452,4 @@ def test_every_container_runs_a_real_ibex_subcommand_with_real_flags_and_setting
             seen.add(args[0])
             names = {e["name"] for e in container.get("env", []) if e["name"].startswith("IBEX_")}
             assert names <= known, f"{container['name']} sets unknown settings: {sorted(names - known)}"
-    assert {"proxy", "memory", "context", "operator"} <= seen
+    assert {"wait-schema", "proxy", "memory", "context", "operator"} <= seen
