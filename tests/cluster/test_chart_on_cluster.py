@@ -1,10 +1,11 @@
 """End to end on a cluster that runs pods (tests/cluster/cluster.sh: kubelet + containerd + CNI + scheduler, all
 built or installed from Debian's packages): `helm install` of the chart with the image built by `.ci/image`, the
-operator and data-plane pods Ready through their real probes, the example tenants applied with kubectl, their key
-Secret written by the operator in the cluster, and a client outside the cluster (the official OpenAI SDK through
-`kubectl port-forward` to the proxy Service) that writes a memory and sees it in its next chat; then the Agent's
-deletion, an upgrade that rolls the pods without losing keys, and an uninstall that leaves only the CRDs and the
-user's Secret.
+operator and data-plane pods Ready through their real probes (on an empty Postgres, without a single data-plane
+restart: the pod waits for the operator's migrations in its init container), the example tenants applied with
+kubectl, their key Secret written by the operator in the cluster, and a client outside the cluster (the official
+OpenAI SDK through `kubectl port-forward` to the proxy Service) that writes a memory and sees it in its next chat;
+then the Agent's deletion, an upgrade that rolls the pods without losing keys, and an uninstall that leaves only
+the CRDs and the user's Secret.
 
 The stores run on this host, listening on the pod network's gateway: Postgres (with pgvector) and Valkey, as the
 embedded ones of the test suite. ClickHouse has no server here (Debian's is from 2018 and the client cannot speak
@@ -317,6 +318,14 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
         for pod in running.values():
             statuses = pod["status"]["containerStatuses"]
             assert all(s["ready"] and s["image"].endswith(f"{IMAGE_REPO}:{IMAGE_TAG}") for s in statuses), statuses
+        # A first install: the Postgres is empty until the operator's leader migrates it. The data-plane pod waited
+        # for the schema in its init container; none of its containers restarted.
+        (data_plane,) = [p for p in running.values() if p["metadata"]["labels"].get("app.kubernetes.io/component")
+                         == "dataplane"]  # fmt: skip
+        (waited,) = data_plane["status"]["initContainerStatuses"]
+        assert waited["state"]["terminated"]["exitCode"] == 0 and waited["restartCount"] == 0, waited
+        restarts = {s["name"]: s["restartCount"] for s in data_plane["status"]["containerStatuses"]}
+        assert restarts == {"proxy": 0, "memory": 0, "context": 0}, cluster.diagnostics()
 
         cluster.kubectl("apply", "-f", str(REPO / "examples" / "tenants"))
         cluster.kubectl(
