@@ -20,12 +20,10 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import secrets
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,6 @@ from typing import Any
 import asyncpg
 import pytest
 import yaml
-from openai import OpenAI
 
 from ibex_dataplane.runtime.embedded import (
     ADMIN_ROLE,
@@ -43,6 +40,7 @@ from ibex_dataplane.runtime.embedded import (
     free_port,
     valkey_binary,
 )
+from tests.cluster import smoke
 from tests.operator.conftest import _read_env_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -234,38 +232,6 @@ def pods(cluster: Cluster) -> dict[str, dict[str, Any]]:
     return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
 
 
-def chat(proxy: str, token: str, agent: str, content: str) -> tuple[str, dict[str, str]]:
-    with OpenAI(base_url=proxy + "/v1", api_key=token, max_retries=0, default_headers={"X-IBEX-Agent-ID": agent}) as ai:
-        raw = ai.chat.completions.with_raw_response.create(
-            model="echo", messages=[{"role": "user", "content": content}]
-        )
-        return raw.parse().choices[0].message.content or "", dict(raw.headers)
-
-
-def directed_chat(proxy: str, token: str, agent: str, directive: str, timeout: float = 60.0) -> str:
-    """A chat whose echo carries the agent's directive: the reconciled Directive reaches the proxy's cache through
-    its invalidation event, so the first chats after ``Ready`` may still see the agent without it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        echoed, _ = chat(proxy, token, agent, "hello")
-        if directive in echoed or time.monotonic() > deadline:
-            return echoed
-        time.sleep(0.2)  # polling for a condition under a deadline
-
-
-def write_memory(proxy: str, token: str, agent: str, fact: str) -> None:
-    import urllib.request
-
-    request = urllib.request.Request(
-        proxy + "/v1/memories",
-        data=json.dumps({"content": fact}).encode(),
-        headers={"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": agent, "Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=60) as resp:
-        assert resp.status == 201
-
-
 async def agent_rows(admin_dsn: str, agent_name: str) -> int:
     conn = await asyncpg.connect(admin_dsn)
     try:
@@ -337,15 +303,8 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
         ).decode()
         assert token
 
-        fact = "The customer prefers email over phone calls."
         with port_forward(cluster, "service/ibex-dataplane", 80) as proxy:
-            echoed = directed_chat(proxy, token, "support-bot", "support assistant for Acme")
-            assert "support assistant for Acme" in json.loads(echoed)[0]["content"]
-            write_memory(proxy, token, "support-bot", fact)
-            echoed, headers = chat(proxy, token, "support-bot", "How should we contact the customer?")
-        assert headers["x-ibex-memories-injected"] == "1", headers
-        memory_message = json.loads(echoed)[-1]["content"]
-        assert re.search(r'<memory nonce="[a-p]{16}" id="[0-9a-f-]{36}">' + re.escape(fact), memory_message)
+            smoke.first_chat_and_memory(proxy, token)  # what examples/kind/kind.sh runs too
 
         # An upgrade with a changed value rolls the data-plane pods; the key keeps working.
         before = set(pods(cluster))
@@ -356,8 +315,7 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
         rollout(cluster, "ibex-operator")
         assert not before & set(pods(cluster)), "the pods did not roll"
         with port_forward(cluster, "service/ibex-dataplane", 80) as proxy:
-            echoed, headers = chat(proxy, token, "support-bot", "How should we contact the customer?")
-        assert headers["x-ibex-memories-injected"] == "1" and fact in echoed
+            assert smoke.recalled(proxy, token)
 
         # Deleting the Agent removes its data (its memories here, in the host's Postgres).
         assert asyncio.run(agent_rows(stores.local_admin_dsn, "support-bot")) >= 1
