@@ -6,6 +6,7 @@ Subcommands:
 - ``ibex proxy`` / ``ibex memory`` / ``ibex context``: one data-plane stage as its own process.
 - ``ibex eval locomo FILE``: evidence recall of the public memory search on fresh embedded stores.
 - ``ibex migrate``: apply pending Postgres and ClickHouse migrations to the configured stores.
+- ``ibex wait-schema``: wait, bounded, until someone else (the operator) has applied the Postgres migrations.
 - ``ibex mcp``: a stdio MCP server that forwards to a proxy's ``/mcp`` (for clients that only launch processes).
 - ``ibex operator``: the kopf operator that reconciles the four custom resources into the stores.
 """
@@ -38,11 +39,12 @@ from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.app import create_app
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime, RuntimeHolder, RuntimeInfo, runtime_holder
 from ibex_dataplane.runtime.errors import DataDirInUse, EmbeddedStoreError
-from ibex_dataplane.runtime.stores import Stores, StoreUrls, load_or_create_secret, migrate_all
+from ibex_dataplane.runtime.stores import Stores, StoreUrls, load_or_create_secret, migrate_all, migrations_dir
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_dataplane.store.errors import StoreError
+from ibex_dataplane.store.migrations import wait_for_postgres_schema
 
 log = logging.getLogger("ibex")
 
@@ -573,6 +575,19 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_wait_schema(args: argparse.Namespace, settings: Settings) -> int:
+    """Wait until the Postgres schema has every migration this build ships (the chart's data-plane init
+    container: on a first install the operator's leader is still applying them). Applies nothing."""
+    try:
+        dsn = StoreUrls.from_settings(settings).postgres_app_dsn
+        count = asyncio.run(wait_for_postgres_schema(dsn, migrations_dir(settings) / "postgres", timeout=args.timeout))
+    except (StoreError, EmbeddedStoreError) as e:
+        print(f"ibex wait-schema: {e}", file=sys.stderr)
+        return 1
+    print(f"schema ready: {count} Postgres migrations applied", flush=True)
+    return 0
+
+
 def cmd_operator(args: argparse.Namespace, settings: Settings) -> int:
     # Imported here: the data plane never imports the operator at module level (the CLI is the composition root).
     from ibex_operator.app import main as operator_main
@@ -844,6 +859,12 @@ def build_parser() -> argparse.ArgumentParser:
     migrate = _command(sub, "migrate", "apply pending Postgres and ClickHouse migrations")
     migrate.set_defaults(func=cmd_migrate)
 
+    wait_schema = _command(sub, "wait-schema", "wait until the Postgres migrations are applied (applies none)")
+    wait_schema.add_argument(
+        "--timeout", type=float, default=600.0, help="give up (exit 1) after this many seconds (default: 600)"
+    )
+    wait_schema.set_defaults(func=cmd_wait_schema)
+
     mcp = _command(sub, "mcp", "MCP over stdio for a local client, forwarded to a proxy's /mcp")
     mcp.add_argument("--url", required=True, help="the proxy's base URL, e.g. http://127.0.0.1:8080")
     mcp.add_argument("--key-file", required=True, help="file holding the API key alone")
@@ -861,7 +882,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     op = _command(sub, "operator", "run the Kubernetes operator (Organization, Agent, Directive, ApiKey)")
     op.add_argument(
-        "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig file (default: KUBECONFIG, in-cluster)"
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        help="kubeconfig file (default: KUBECONFIG, else the in-cluster service account, else ~/.kube/config)",
     )
     op.add_argument(
         "--namespace", action="append", help="watch only this namespace or glob (repeatable; default: all namespaces)"

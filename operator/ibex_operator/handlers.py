@@ -8,18 +8,19 @@ only becomes Kubernetes: ``.status`` (``observedGeneration``, ``conditions`` wit
 transitions, and kopf retries (``TemporaryError`` with exponential backoff) for ``Ready=False`` that may fix itself
 (a missing reference, a store outage).
 
-The Kubernetes API calls of the operator live next to it: :mod:`~ibex_operator.kube` (the client, on kopf's
-credentials from :mod:`~ibex_operator.kubeconfig`), :mod:`~ibex_operator.kube_secrets` (API key tokens into Secrets
-owned by their ApiKey) and :mod:`~ibex_operator.kube_lease` (the Lease behind :mod:`~ibex_operator.lease`). kopf's
-own state lives under our group: the finalizer ``ibex.dev/cleanup`` and annotations
-``ibex.dev/last-handled-configuration`` and ``ibex.dev/<handler>``.
+The Kubernetes API calls of the operator live next to it: :mod:`~ibex_operator.kube` (the client,
+kubernetes_asyncio's), :mod:`~ibex_operator.kube_secrets` (API key tokens into Secrets owned by their ApiKey) and
+:mod:`~ibex_operator.kube_lease` (the Lease behind :mod:`~ibex_operator.lease`). kopf logs in from the same
+credentials (:mod:`~ibex_operator.kubeconfig`): its login handler turns each login into a ``kopf.ConnectionInfo``
+(:func:`connection_info`). kopf's own state lives under our group: the finalizer ``ibex.dev/cleanup`` and
+annotations ``ibex.dev/last-handled-configuration`` and ``ibex.dev/<handler>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -30,6 +31,7 @@ from pydantic import ValidationError
 from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_operator.errors import KubeApiError, SecretConflict
 from ibex_operator.health import OperatorState
+from ibex_operator.kubeconfig import Credentials, Login
 from ibex_operator.models import (
     API_VERSION,
     GROUP,
@@ -62,7 +64,7 @@ class OperatorContext:
     repo: TenantConfigRepository
     purger: TenantPurger
     options: OperatorOptions
-    login: Callable[[], kopf.ConnectionInfo]
+    login: Login
     state: OperatorState = field(default_factory=OperatorState)
     _locks: dict[tuple[str, str, str], asyncio.Lock] = field(default_factory=dict)
 
@@ -273,10 +275,32 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         _register(registry, ctx, kind)
 
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return ctx.login()
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        return await connection_info(await ctx.login())
 
     return registry
+
+
+async def connection_info(credentials: Credentials) -> kopf.ConnectionInfo:
+    """kopf's view of one login: the server, CA and client certificate files, the ``Authorization`` scheme and
+    token (bearer, or basic from a username and password), and the expiry of exec plugin credentials, after which
+    kopf logs in again (it also does on a 401)."""
+    c = credentials.configuration
+    # "Bearer <token>" or "Basic <base64>"; asking for it runs the in-cluster loader's hook that re-reads the token.
+    authorization = await c.get_api_key_with_prefix("BearerToken") or ""
+    scheme, _, token = authorization.partition(" ")
+    return kopf.ConnectionInfo(
+        server=c.host or "",
+        ca_path=c.ssl_ca_cert,
+        insecure=not c.verify_ssl,
+        certificate_path=c.cert_file,
+        private_key_path=c.key_file,
+        scheme=scheme or None,
+        token=token or None,
+        proxy_url=c.proxy,
+        default_namespace=credentials.namespace,
+        expiration=credentials.expiration,
+    )
 
 
 def configure(settings: kopf.OperatorSettings, options: OperatorOptions) -> None:

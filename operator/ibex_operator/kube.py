@@ -1,83 +1,95 @@
-"""A small Kubernetes API client: JSON requests to the API server with the operator's credentials.
+"""The operator's Kubernetes API client: kubernetes_asyncio's ``ApiClient`` on the operator's credentials.
 
-:class:`KubeApi` gets its credentials from a login callable (kopf's, backed by :mod:`~ibex_operator.kubeconfig`:
-tokens, client certificates, exec plugins, the in-cluster service account), logs in again before they expire and
-once on 401. Used by :mod:`~ibex_operator.kube_secrets` and :mod:`~ibex_operator.kube_lease`; the kopf wiring is in
-:mod:`~ibex_operator.handlers`.
+:class:`KubeApi` logs in with a :data:`~ibex_operator.kubeconfig.Login` (tokens, client certificates, exec plugins,
+the in-cluster service account), keeps one ``ApiClient`` while the credentials last, logs in again shortly before
+they expire (exec plugins give an expiry) and once on 401, bounds every call by a timeout, and turns the client's
+failures into :class:`~ibex_operator.errors.KubeApiError` (with the HTTP status when there is one). Used with the
+typed APIs by :mod:`~ibex_operator.kube_secrets` (``CoreV1Api``) and :mod:`~ibex_operator.kube_lease`
+(``CoordinationV1Api``); kopf logs in from the same credentials (:mod:`~ibex_operator.handlers`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ssl
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TypeVar
 
 import aiohttp
-import kopf
+from kubernetes_asyncio.client import ApiClient
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from ibex_operator.errors import KubeApiError
+from ibex_operator.kubeconfig import Credentials, Login
 
 EXPIRY_MARGIN = timedelta(seconds=30)  # log in again this long before expiring credentials expire
 
+T = TypeVar("T")
+
 
 class KubeApi:
-    """JSON requests to the API server with the operator's credentials (:mod:`~ibex_operator.kubeconfig`); logs in
-    again when the credentials expire (exec plugins give an expiry) and once on 401."""
+    """Calls to the API server through one ``ApiClient`` per login (see the module docstring)."""
 
-    def __init__(self, login: Callable[[], kopf.ConnectionInfo], timeout: float = 10.0) -> None:
+    def __init__(self, login: Login, timeout: float = 10.0) -> None:
         self._login = login
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._info: kopf.ConnectionInfo | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._timeout = timeout
+        self._credentials: Credentials | None = None
+        self._client: ApiClient | None = None
+        self._login_lock = asyncio.Lock()  # concurrent calls share one login
 
     def _expired(self) -> bool:
-        expiration = self._info.expiration if self._info is not None else None
+        expiration = self._credentials.expiration if self._credentials is not None else None
         if expiration is None:
             return False
         if expiration.tzinfo is None:
             expiration = expiration.replace(tzinfo=UTC)
         return datetime.now(UTC) >= expiration - EXPIRY_MARGIN
 
-    async def _connect(self) -> tuple[aiohttp.ClientSession, kopf.ConnectionInfo]:
-        if self._expired():
-            await self.close()
-        if self._session is None or self._info is None:
-            # In a thread: an exec credential plugin may take seconds.
-            self._info = await asyncio.to_thread(self._login)
-            https = self._info.server.startswith("https")
-            ssl_context: ssl.SSLContext | bool = self._info.as_ssl_context() if https else False
-            self._session = aiohttp.ClientSession(
-                base_url=self._info.server.rstrip("/") + "/",
-                connector=aiohttp.TCPConnector(ssl=ssl_context),
-                timeout=self._timeout,
-                headers=self._info.as_http_headers(),
-            )
-        return self._session, self._info
+    async def _connect(self) -> ApiClient:
+        async with self._login_lock:
+            if self._expired():
+                await self.close()
+            if self._client is None:
+                self._credentials = await self._login()
+                self._client = ApiClient(self._credentials.configuration)
+            return self._client
 
-    async def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> tuple[int, Any]:
-        """Returns (HTTP status, decoded JSON body); raises :class:`KubeApiError` when the server is unreachable."""
-        for attempt in (1, 2):
-            session, _ = await self._connect()
-            try:
-                async with session.request(method, path.lstrip("/"), json=body) as resp:
-                    payload = await resp.json(content_type=None)
-                    if resp.status == 401 and attempt == 1:
-                        await self.close()  # credentials expired: log in again and retry once
-                        continue
-                    return resp.status, payload
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-                raise KubeApiError(f"{method} {path}: {type(e).__name__}") from e
-        raise KubeApiError(f"{method} {path}: unauthorized", 401)
+    async def _attempt(self, what: str, operation: Callable[[ApiClient], Awaitable[T]]) -> T:
+        client = await self._connect()
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await operation(client)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise KubeApiError(f"{what}: {type(e).__name__}") from e
+
+    async def call(self, what: str, operation: Callable[[ApiClient], Awaitable[T]]) -> T:
+        """Run ``operation`` (e.g. ``lambda c: CoreV1Api(c).read_namespaced_secret(name, ns)``) and return its
+        result; any failure is a :class:`KubeApiError` whose message starts with ``what``."""
+        try:
+            return await self._attempt(what, operation)
+        except ApiException as e:
+            if e.status != 401:
+                raise api_failure(what, e) from e
+        await self.close()  # the server no longer takes the credentials (expired, rotated): log in again, once
+        try:
+            return await self._attempt(what, operation)
+        except ApiException as e:
+            raise api_failure(what, e) from e
 
     async def close(self) -> None:
-        session, self._session, self._info = self._session, None, None
-        if session is not None:
-            await session.close()
+        client, self._client, self._credentials = self._client, None, None
+        if client is not None:
+            await client.close()
 
 
-def api_failure(method: str, path: str, status: int, payload: Any) -> KubeApiError:
-    reason = payload.get("reason") if isinstance(payload, dict) else None
+def api_failure(what: str, e: ApiException) -> KubeApiError:
+    """The API server's answer as a :class:`KubeApiError`: status, and the ``reason`` and ``message`` of its Status
+    body when it sent one."""
+    try:
+        payload = json.loads(e.body or b"")
+    except ValueError:
+        payload = None
+    reason = payload.get("reason") if isinstance(payload, dict) else e.reason
     message = payload.get("message") if isinstance(payload, dict) else None
-    return KubeApiError(f"{method} {path}: {status} {reason or ''} {message or ''}".strip(), status)
+    return KubeApiError(f"{what}: {e.status} {reason or ''} {message or ''}".strip(), e.status)

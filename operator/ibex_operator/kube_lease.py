@@ -3,22 +3,30 @@ with compare-and-swap, the store behind the election of :mod:`~ibex_operator.lea
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from datetime import datetime
-from typing import Any
-from urllib.parse import quote
+from datetime import UTC, datetime
 
-from ibex_operator.errors import LeaseConflict
-from ibex_operator.kube import KubeApi, api_failure
+from kubernetes_asyncio.client import CoordinationV1Api, V1Lease, V1LeaseSpec, V1ObjectMeta
+
+from ibex_operator.errors import KubeApiError, LeaseConflict
+from ibex_operator.kube import KubeApi
 from ibex_operator.lease import LeaseRecord
 
 
-def _micro_time(value: datetime | None) -> str | None:
-    return value.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if value else None
+class _MicroTime(datetime):
+    """A Lease's times are MicroTime, which the API server parses with exactly six fractional digits; the client
+    writes datetimes with ``isoformat()``, which drops the fraction when it is zero."""
+
+    def isoformat(self, sep: str = "T", timespec: str = "microseconds") -> str:
+        return super().isoformat(sep, timespec)
 
 
-def _parse_time(value: str | None) -> datetime | None:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+def _micro_time(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    value = value.astimezone(UTC)
+    return _MicroTime(
+        value.year, value.month, value.day, value.hour, value.minute, value.second, value.microsecond, UTC
+    )
 
 
 class KubeLeaseStore:
@@ -28,57 +36,67 @@ class KubeLeaseStore:
         self._api = api
         self._namespace = namespace
         self._name = name
-        self._base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases"
+        self._ref = f"Lease {namespace}/{name}"
 
-    def _record(self, payload: Mapping[str, Any]) -> LeaseRecord:
-        spec = payload.get("spec") or {}
+    @staticmethod
+    def _record(lease: V1Lease) -> LeaseRecord:
+        spec = lease.spec or V1LeaseSpec()
         return LeaseRecord(
-            holder=spec.get("holderIdentity") or None,
-            duration_s=int(spec.get("leaseDurationSeconds") or 1),
-            acquire_time=_parse_time(spec.get("acquireTime")),
-            renew_time=_parse_time(spec.get("renewTime")),
-            transitions=int(spec.get("leaseTransitions") or 0),
-            resource_version=str(payload["metadata"]["resourceVersion"]),
+            holder=spec.holder_identity or None,
+            duration_s=int(spec.lease_duration_seconds or 1),
+            acquire_time=spec.acquire_time,
+            renew_time=spec.renew_time,
+            transitions=int(spec.lease_transitions or 0),
+            resource_version=str(lease.metadata.resource_version),
         )
 
-    def _body(self, record: LeaseRecord) -> dict[str, Any]:
-        metadata: dict[str, Any] = {"name": self._name, "namespace": self._namespace}
-        if record.resource_version is not None:
-            metadata["resourceVersion"] = record.resource_version
-        return {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": metadata,
-            "spec": {
-                "holderIdentity": record.holder,
-                "leaseDurationSeconds": record.duration_s,
-                "acquireTime": _micro_time(record.acquire_time),
-                "renewTime": _micro_time(record.renew_time),
-                "leaseTransitions": record.transitions,
-            },
-        }
+    def _body(self, record: LeaseRecord) -> V1Lease:
+        return V1Lease(
+            api_version="coordination.k8s.io/v1",
+            kind="Lease",
+            metadata=V1ObjectMeta(name=self._name, namespace=self._namespace, resource_version=record.resource_version),
+            spec=V1LeaseSpec(
+                holder_identity=record.holder,
+                lease_duration_seconds=record.duration_s,
+                acquire_time=_micro_time(record.acquire_time),
+                renew_time=_micro_time(record.renew_time),
+                lease_transitions=record.transitions,
+            ),
+        )
 
     async def get(self) -> LeaseRecord | None:
-        status, payload = await self._api.request("GET", f"{self._base}/{quote(self._name)}")
-        if status == 404:
-            return None
-        if status != 200:
-            raise api_failure("GET", self._base, status, payload)
-        return self._record(payload)
+        try:
+            lease = await self._api.call(
+                f"read {self._ref}",
+                lambda c: CoordinationV1Api(c).read_namespaced_lease(self._name, self._namespace),
+            )
+        except KubeApiError as e:
+            if e.status == 404:
+                return None
+            raise
+        return self._record(lease)
 
     async def create(self, record: LeaseRecord) -> LeaseRecord:
-        status, payload = await self._api.request("POST", self._base, self._body(record))
-        if status == 409:
-            raise LeaseConflict("the lease was created by someone else")
-        if status != 201:
-            raise api_failure("POST", self._base, status, payload)
-        return self._record(payload)
+        body = self._body(record)
+        try:
+            lease = await self._api.call(
+                f"create {self._ref}", lambda c: CoordinationV1Api(c).create_namespaced_lease(self._namespace, body)
+            )
+        except KubeApiError as e:
+            if e.status == 409:
+                raise LeaseConflict("the lease was created by someone else") from e
+            raise
+        return self._record(lease)
 
     async def replace(self, record: LeaseRecord) -> LeaseRecord:
-        path = f"{self._base}/{quote(self._name)}"
-        status, payload = await self._api.request("PUT", path, self._body(record))
-        if status == 409:
-            raise LeaseConflict("the lease changed meanwhile")
-        if status != 200:
-            raise api_failure("PUT", path, status, payload)
-        return self._record(payload)
+        body = self._body(record)
+        try:
+            lease = await self._api.call(
+                f"replace {self._ref}",
+                lambda c: CoordinationV1Api(c).replace_namespaced_lease(self._name, self._namespace, body),
+            )
+        except KubeApiError as e:
+            if e.status == 409:
+                raise LeaseConflict("the lease changed meanwhile") from e
+            raise
+        return self._record(lease)

@@ -4,12 +4,11 @@ issued tokens to (:mod:`~ibex_operator.secrets` has the protocol and the file si
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
-from typing import Any
-from urllib.parse import quote
 
-from ibex_operator.errors import SecretConflict
-from ibex_operator.kube import KubeApi, api_failure
+from kubernetes_asyncio.client import CoreV1Api, V1ObjectMeta, V1OwnerReference, V1Secret
+
+from ibex_operator.errors import KubeApiError, SecretConflict
+from ibex_operator.kube import KubeApi
 from ibex_operator.models import GROUP
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -25,37 +24,33 @@ class KubernetesSecretSink:
     def __init__(self, api: KubeApi) -> None:
         self._api = api
 
-    @staticmethod
-    def _path(namespace: str, name: str = "") -> str:
-        base = f"/api/v1/namespaces/{quote(namespace)}/secrets"
-        return f"{base}/{quote(name)}" if name else base
-
-    async def _get(self, namespace: str, name: str) -> dict[str, Any] | None:
-        status, payload = await self._api.request("GET", self._path(namespace, name))
-        if status == 404:
-            return None
-        if status != 200:
-            raise api_failure("GET", self._path(namespace, name), status, payload)
-        secret: dict[str, Any] = payload
-        return secret
+    async def _get(self, namespace: str, name: str) -> V1Secret | None:
+        try:
+            return await self._api.call(
+                f"read Secret {namespace}/{name}", lambda c: CoreV1Api(c).read_namespaced_secret(name, namespace)
+            )
+        except KubeApiError as e:
+            if e.status == 404:
+                return None
+            raise
 
     @staticmethod
-    def _ours(secret: Mapping[str, Any]) -> bool:
-        labels = (secret.get("metadata") or {}).get("labels") or {}
+    def _ours(secret: V1Secret) -> bool:
+        labels = (secret.metadata.labels if secret.metadata else None) or {}
         return bool(labels.get(MANAGED_BY_LABEL) == MANAGED_BY)
 
     @staticmethod
-    def _owner_name(secret: Mapping[str, Any]) -> str | None:
-        for ref in (secret.get("metadata") or {}).get("ownerReferences") or []:
-            if ref.get("kind") == "ApiKey" and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
-                return str(ref.get("name"))
+    def _owner_name(secret: V1Secret) -> str | None:
+        for ref in (secret.metadata.owner_references if secret.metadata else None) or []:
+            if ref.kind == "ApiKey" and str(ref.api_version or "").startswith(f"{GROUP}/"):
+                return str(ref.name)
         return None
 
     async def read(self, namespace: str, secret_name: str) -> str | None:
         secret = await self._get(namespace, secret_name)
         if secret is None or not self._ours(secret):
             return None
-        raw = (secret.get("data") or {}).get(TOKEN_KEY)
+        raw = (secret.data or {}).get(TOKEN_KEY)
         if not raw:
             return None
         try:
@@ -72,28 +67,35 @@ class KubernetesSecretSink:
             current_owner = self._owner_name(existing)
             if owner_name and current_owner and current_owner != owner_name:
                 raise SecretConflict(f"Secret {secret_name} belongs to ApiKey {current_owner}")
-        metadata: dict[str, Any] = {
-            "name": secret_name,
-            "namespace": namespace,
-            "labels": {MANAGED_BY_LABEL: MANAGED_BY, "app.kubernetes.io/part-of": "ibex"},
-        }
-        if owner_name:
-            metadata["annotations"] = {f"{GROUP}/api-key": owner_name}
+        metadata = V1ObjectMeta(
+            name=secret_name,
+            namespace=namespace,
+            labels={MANAGED_BY_LABEL: MANAGED_BY, "app.kubernetes.io/part-of": "ibex"},
+            annotations={f"{GROUP}/api-key": owner_name} if owner_name else None,
+        )
         if owner:
-            metadata["ownerReferences"] = [{**owner, "controller": True}]
-        body: dict[str, Any] = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": metadata,
-            "type": "Opaque",
-            "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
-        }
+            metadata.owner_references = [
+                V1OwnerReference(
+                    api_version=owner["apiVersion"], kind=owner["kind"], name=owner["name"], uid=owner["uid"],
+                    controller=True,
+                )
+            ]  # fmt: skip
+        body = V1Secret(
+            api_version="v1",
+            kind="Secret",
+            metadata=metadata,
+            type="Opaque",
+            data={TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        )
+        # 409: someone changed it meanwhile; the reconcile is retried and starts from a fresh read.
         if existing is None:
-            method, path = "POST", self._path(namespace)
+            await self._api.call(
+                f"create Secret {namespace}/{secret_name}",
+                lambda c: CoreV1Api(c).create_namespaced_secret(namespace, body),
+            )
         else:
-            metadata["resourceVersion"] = existing["metadata"]["resourceVersion"]
-            method, path = "PUT", self._path(namespace, secret_name)
-        status, payload = await self._api.request(method, path, body)
-        if status not in (200, 201):
-            # 409: someone changed it meanwhile; the reconcile is retried and starts from a fresh read.
-            raise api_failure(method, path, status, payload)
+            metadata.resource_version = existing.metadata.resource_version
+            await self._api.call(
+                f"replace Secret {namespace}/{secret_name}",
+                lambda c: CoreV1Api(c).replace_namespaced_secret(secret_name, namespace, body),
+            )

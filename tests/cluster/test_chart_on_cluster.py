@@ -1,10 +1,11 @@
 """End to end on a cluster that runs pods (tests/cluster/cluster.sh: kubelet + containerd + CNI + scheduler, all
 built or installed from Debian's packages): `helm install` of the chart with the image built by `.ci/image`, the
-operator and data-plane pods Ready through their real probes, the example tenants applied with kubectl, their key
-Secret written by the operator in the cluster, and a client outside the cluster (the official OpenAI SDK through
-`kubectl port-forward` to the proxy Service) that writes a memory and sees it in its next chat; then the Agent's
-deletion, an upgrade that rolls the pods without losing keys, and an uninstall that leaves only the CRDs and the
-user's Secret.
+operator and data-plane pods Ready through their real probes (on an empty Postgres, without a single data-plane
+restart: the pod waits for the operator's migrations in its init container), the example tenants applied with
+kubectl, their key Secret written by the operator in the cluster, and a client outside the cluster (the official
+OpenAI SDK through `kubectl port-forward` to the proxy Service) that writes a memory and sees it in its next chat;
+then the Agent's deletion, an upgrade that rolls the pods without losing keys, and an uninstall that leaves only
+the CRDs and the user's Secret.
 
 The stores run on this host, listening on the pod network's gateway: Postgres (with pgvector) and Valkey, as the
 embedded ones of the test suite. ClickHouse has no server here (Debian's is from 2018 and the client cannot speak
@@ -19,12 +20,10 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import secrets
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ from typing import Any
 import asyncpg
 import pytest
 import yaml
-from openai import OpenAI
 
 from ibex_dataplane.runtime.embedded import (
     ADMIN_ROLE,
@@ -42,6 +40,7 @@ from ibex_dataplane.runtime.embedded import (
     free_port,
     valkey_binary,
 )
+from tests.cluster import smoke
 from tests.operator.conftest import _read_env_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -233,38 +232,6 @@ def pods(cluster: Cluster) -> dict[str, dict[str, Any]]:
     return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
 
 
-def chat(proxy: str, token: str, agent: str, content: str) -> tuple[str, dict[str, str]]:
-    with OpenAI(base_url=proxy + "/v1", api_key=token, max_retries=0, default_headers={"X-IBEX-Agent-ID": agent}) as ai:
-        raw = ai.chat.completions.with_raw_response.create(
-            model="echo", messages=[{"role": "user", "content": content}]
-        )
-        return raw.parse().choices[0].message.content or "", dict(raw.headers)
-
-
-def directed_chat(proxy: str, token: str, agent: str, directive: str, timeout: float = 60.0) -> str:
-    """A chat whose echo carries the agent's directive: the reconciled Directive reaches the proxy's cache through
-    its invalidation event, so the first chats after ``Ready`` may still see the agent without it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        echoed, _ = chat(proxy, token, agent, "hello")
-        if directive in echoed or time.monotonic() > deadline:
-            return echoed
-        time.sleep(0.2)  # polling for a condition under a deadline
-
-
-def write_memory(proxy: str, token: str, agent: str, fact: str) -> None:
-    import urllib.request
-
-    request = urllib.request.Request(
-        proxy + "/v1/memories",
-        data=json.dumps({"content": fact}).encode(),
-        headers={"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": agent, "Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=60) as resp:
-        assert resp.status == 201
-
-
 async def agent_rows(admin_dsn: str, agent_name: str) -> int:
     conn = await asyncpg.connect(admin_dsn)
     try:
@@ -317,6 +284,14 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
         for pod in running.values():
             statuses = pod["status"]["containerStatuses"]
             assert all(s["ready"] and s["image"].endswith(f"{IMAGE_REPO}:{IMAGE_TAG}") for s in statuses), statuses
+        # A first install: the Postgres is empty until the operator's leader migrates it. The data-plane pod waited
+        # for the schema in its init container; none of its containers restarted.
+        (data_plane,) = [p for p in running.values() if p["metadata"]["labels"].get("app.kubernetes.io/component")
+                         == "dataplane"]  # fmt: skip
+        (waited,) = data_plane["status"]["initContainerStatuses"]
+        assert waited["state"]["terminated"]["exitCode"] == 0 and waited["restartCount"] == 0, waited
+        restarts = {s["name"]: s["restartCount"] for s in data_plane["status"]["containerStatuses"]}
+        assert restarts == {"proxy": 0, "memory": 0, "context": 0}, cluster.diagnostics()
 
         cluster.kubectl("apply", "-f", str(REPO / "examples" / "tenants"))
         cluster.kubectl(
@@ -328,15 +303,8 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
         ).decode()
         assert token
 
-        fact = "The customer prefers email over phone calls."
         with port_forward(cluster, "service/ibex-dataplane", 80) as proxy:
-            echoed = directed_chat(proxy, token, "support-bot", "support assistant for Acme")
-            assert "support assistant for Acme" in json.loads(echoed)[0]["content"]
-            write_memory(proxy, token, "support-bot", fact)
-            echoed, headers = chat(proxy, token, "support-bot", "How should we contact the customer?")
-        assert headers["x-ibex-memories-injected"] == "1", headers
-        memory_message = json.loads(echoed)[-1]["content"]
-        assert re.search(r'<memory nonce="[a-p]{16}" id="[0-9a-f-]{36}">' + re.escape(fact), memory_message)
+            smoke.first_chat_and_memory(proxy, token)  # what examples/kind/kind.sh runs too
 
         # An upgrade with a changed value rolls the data-plane pods; the key keeps working.
         before = set(pods(cluster))
@@ -347,8 +315,7 @@ def test_helm_install_on_a_cluster_that_runs_pods(cluster: Cluster, image: str, 
         rollout(cluster, "ibex-operator")
         assert not before & set(pods(cluster)), "the pods did not roll"
         with port_forward(cluster, "service/ibex-dataplane", 80) as proxy:
-            echoed, headers = chat(proxy, token, "support-bot", "How should we contact the customer?")
-        assert headers["x-ibex-memories-injected"] == "1" and fact in echoed
+            assert smoke.recalled(proxy, token)
 
         # Deleting the Agent removes its data (its memories here, in the host's Postgres).
         assert asyncio.run(agent_rows(stores.local_admin_dsn, "support-bot")) >= 1

@@ -1,7 +1,10 @@
-"""Migrations apply from zero, are idempotent, refuse edited history, and force RLS on every tenant table."""
+"""Migrations apply from zero, are idempotent, refuse edited history, and force RLS on every tenant table; the data
+plane's wait for them returns once they land and fails after its deadline, saying what is missing."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import shutil
 import uuid
 from pathlib import Path
@@ -12,7 +15,14 @@ import pytest
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.errors import MigrationError
-from ibex_dataplane.store.migrations import default_migrations_dir, discover, migrate_clickhouse, migrate_postgres
+from ibex_dataplane.store.migrations import (
+    default_migrations_dir,
+    discover,
+    migrate_clickhouse,
+    migrate_postgres,
+    wait_for_postgres_schema,
+)
+from tests.support.waiting import until
 
 # Tables the catalog lists as tenant tables must include at least these (a sanity check on the derivation).
 KNOWN_TENANT_TABLES = {"organizations", "agents", "api_keys", "memories", "budget_holds", "outbox"}
@@ -109,3 +119,66 @@ async def test_clickhouse_migrations_create_the_analytics_tables_once(stores: St
         )
     }
     assert {"llm_traces", "usage_facts", "ibex_schema_migrations"} <= tables
+
+
+def as_data_plane(info: RuntimeInfo, admin_dsn: str) -> str:
+    """The data plane's DSN (its RLS-bound role) for the database ``admin_dsn`` names."""
+    return info.postgres_app_dsn.rsplit("/", 1)[0] + "/" + admin_dsn.rsplit("/", 1)[1]
+
+
+async def test_the_schema_wait_returns_once_the_migrations_land(
+    runtime_info: RuntimeInfo, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ibex_dataplane.store.migrations")
+    admin = await fresh_database(runtime_info)
+    folder = default_migrations_dir() / "postgres"
+    versions = [m.version for m in discover(folder)]
+    waiting = asyncio.create_task(
+        wait_for_postgres_schema(as_data_plane(runtime_info, admin), folder, timeout=60, interval=0.05, report_every=0)
+    )
+    try:
+        await until(lambda: logged(caplog, "no migration has been applied yet"), "the wait to start", timeout=10)
+        # Every migration but the last (the grant): the data plane's role cannot read the table yet.
+        partial = tmp_path / "partial"
+        partial.mkdir()
+        for path in sorted(folder.glob("*.sql"))[:-1]:
+            shutil.copy(path, partial)
+        assert await migrate_postgres(admin, partial) == versions[:-1]
+        await until(lambda: logged(caplog, "schema_migrations is not readable yet"), "the partial schema", timeout=10)
+        assert not waiting.done()
+        assert await migrate_postgres(admin, folder) == versions[-1:]
+        assert await asyncio.wait_for(waiting, timeout=10) == len(versions)
+    finally:
+        waiting.cancel()
+    assert logged_now(caplog, f"the Postgres schema is ready: {len(versions)} migrations applied")
+
+
+async def test_the_schema_wait_gives_up_after_its_deadline_saying_what_is_missing(
+    runtime_info: RuntimeInfo, tmp_path: Path
+) -> None:
+    admin = await fresh_database(runtime_info)
+    dsn = as_data_plane(runtime_info, admin)
+    folder = default_migrations_dir() / "postgres"
+    with pytest.raises(MigrationError, match="not ready after 1 s: no migration has been applied yet"):
+        await wait_for_postgres_schema(dsn, folder, timeout=1, interval=0.1)
+
+    # A build with a migration the database does not have yet (an upgrade whose operator has not migrated).
+    await migrate_postgres(admin, folder)
+    newer = tmp_path / "newer"
+    shutil.copytree(folder, newer)
+    (newer / "9999_next.sql").write_text("SELECT 1;")
+    count = len(discover(newer))
+    with pytest.raises(MigrationError, match=rf"{count - 1} of {count} migrations applied, waiting for 9999$"):
+        await wait_for_postgres_schema(dsn, newer, timeout=1, interval=0.1)
+
+    unreachable = "postgresql://nobody@127.0.0.1:1/none"
+    with pytest.raises(MigrationError, match="Postgres is not reachable"):
+        await wait_for_postgres_schema(unreachable, folder, timeout=0.5, interval=0.1)
+
+
+def logged_now(caplog: pytest.LogCaptureFixture, text: str) -> bool:
+    return any(text in r.getMessage() for r in caplog.records)
+
+
+async def logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
+    return logged_now(caplog, text)

@@ -38,7 +38,8 @@ class KubeApiserver:
 
     kubeconfig: Path
     server: str
-    token: str
+    token: str  # a static token of a system:masters user
+    certs: Path  # ca.crt (the cluster CA) and client.crt/client.key (a system:masters client certificate)
     bin_dir: Path
 
     @property
@@ -125,6 +126,7 @@ def kube_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApi
             kubeconfig=Path(env["KUBECONFIG"]),
             server=env["IBEX_K8S_APISERVER"],
             token=env["IBEX_K8S_TOKEN"],
+            certs=Path(env["IBEX_K8S_CERTS"]),
             bin_dir=Path(env["IBEX_K8S_BIN_DIR"]),
         )
     finally:

@@ -329,6 +329,12 @@ gen_certs() {
 		'extendedKeyUsage=serverAuth' >"$c/apiserver.ext"
 	openssl x509 -req -in "$c/apiserver.csr" -CA "$c/ca.crt" -CAkey "$c/ca.key" -CAcreateserial -days 30 \
 		-extfile "$c/apiserver.ext" -out "$c/apiserver.crt" 2>/dev/null
+	# A client certificate (group system:masters) for the tests of certificate logins (--client-ca-file).
+	openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
+		-subj /O=system:masters/CN=ibex-cert-admin -keyout "$c/client.key" -out "$c/client.csr" 2>/dev/null
+	printf 'extendedKeyUsage=clientAuth\n' >"$c/client.ext"
+	openssl x509 -req -in "$c/client.csr" -CA "$c/ca.crt" -CAkey "$c/ca.key" -CAcreateserial -days 30 \
+		-extfile "$c/client.ext" -out "$c/client.crt" 2>/dev/null
 	openssl genrsa -out "$c/sa.key" 2048 2>/dev/null
 	openssl rsa -in "$c/sa.key" -pubout -out "$c/sa.pub" 2>/dev/null
 	chmod 600 "$c"/*.key
@@ -386,6 +392,7 @@ EOF
 		--secure-port="$api_port" --insecure-port=0 \
 		--tls-cert-file="$RUNDIR/certs/apiserver.crt" --tls-private-key-file="$RUNDIR/certs/apiserver.key" \
 		--cert-dir="$RUNDIR/certs" --token-auth-file="$RUNDIR/certs/tokens.csv" --authorization-mode=RBAC \
+		--client-ca-file="$RUNDIR/certs/ca.crt" \
 		--service-account-issuer=https://kubernetes.default.svc \
 		--service-account-key-file="$RUNDIR/certs/sa.pub" \
 		--service-account-signing-key-file="$RUNDIR/certs/sa.key" \
@@ -433,6 +440,7 @@ EOF
 		printf 'export KUBECONFIG=%s\n' "$(q "$RUNDIR/kubeconfig")"
 		printf 'export IBEX_K8S_APISERVER=%s\n' "$(q "$server")"
 		printf 'export IBEX_K8S_TOKEN=%s\n' "$(q "$token")"
+		printf 'export IBEX_K8S_CERTS=%s\n' "$(q "$RUNDIR/certs")"
 		printf 'export IBEX_K8S_BIN_DIR=%s\n' "$(q "$BIN")"
 		printf 'export IBEX_K8S_ETCD=%s\n' "$(q "$etcd_url")"
 		printf 'IBEX_K8S_ETCD_PID=%s\n' "$(<"$RUNDIR/etcd.pid")"

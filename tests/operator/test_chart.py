@@ -1,13 +1,17 @@
 """The Helm chart: lint-clean, renders valid Kubernetes objects, installs into the 1.20 apiserver, and its RBAC is
 both sufficient (an operator running with the chart's ServiceAccount token reconciles an ApiKey end to end) and
-narrow (no Secret listing or deletion, nothing outside what the operator does)."""
+narrow (no Secret listing or deletion, nothing outside what the operator does). The kind example (examples/kind),
+which CI cannot run, is checked as far as it can be: its script parses and names files that exist, its values
+render valid objects, its stores manifest is valid."""
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 import secrets
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +100,17 @@ def test_the_chart_renders_the_data_plane_and_operator_as_specified(helm: Helm) 
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert c["resources"]["requests"] and c["securityContext"]["readOnlyRootFilesystem"] is True
     assert data_plane["automountServiceAccountToken"] is False
+    # The stages start once the operator has migrated: an init container waits for it with the data plane's DSN.
+    (wait,) = data_plane["initContainers"]
+    assert wait["name"] == "wait-for-schema" and wait["args"] == ["wait-schema", "--timeout", "600"]
+    wait_env = {e["name"]: e for e in wait["env"]}
+    proxy_env = {e["name"]: e for e in containers["proxy"]["env"]}
+    assert wait_env["IBEX_POSTGRES_DSN"] == proxy_env["IBEX_POSTGRES_DSN"]  # the stages' own DSN, not the admin's
+    assert "IBEX_POSTGRES_ADMIN_DSN" not in wait_env and "IBEX_KEY_PEPPER" not in wait_env
+    assert wait["resources"]["requests"] and wait["securityContext"]["readOnlyRootFilesystem"] is True
+    off = helm.template("--set", "dataPlane.waitForSchema.enabled=false,dataPlane.waitForSchema.timeoutSeconds=5")
+    (deployment,) = [d for d in off if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-ibex-dataplane"]
+    assert "initContainers" not in deployment["spec"]["template"]["spec"]
     services = [d for d in docs if d["kind"] == "Service"]
     assert [s["metadata"]["name"] for s in services] == ["rel-ibex-dataplane"]
     assert services[0]["spec"]["ports"][0]["targetPort"] == "http"  # the proxy, only
@@ -429,7 +444,8 @@ def test_every_container_runs_a_real_ibex_subcommand_with_real_flags_and_setting
     for doc in helm.template(*EVERYTHING_ON):
         if doc["kind"] != "Deployment":
             continue
-        for container in doc["spec"]["template"]["spec"]["containers"]:
+        pod = doc["spec"]["template"]["spec"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
             assert container["command"] == ["ibex"], container["name"]
             args = container.get("args", [])
             try:
@@ -440,4 +456,52 @@ def test_every_container_runs_a_real_ibex_subcommand_with_real_flags_and_setting
             seen.add(args[0])
             names = {e["name"] for e in container.get("env", []) if e["name"].startswith("IBEX_")}
             assert names <= known, f"{container['name']} sets unknown settings: {sorted(names - known)}"
-    assert {"proxy", "memory", "context", "operator"} <= seen
+    assert {"wait-schema", "proxy", "memory", "context", "operator"} <= seen
+
+
+KIND = REPO / "examples" / "kind"
+
+
+def test_the_kind_script_parses_and_names_only_files_that_exist() -> None:
+    script = KIND / "kind.sh"
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+    assert syntax.returncode == 0, syntax.stderr
+    text = script.read_text()
+    paths = set(re.findall(r"(?<![\w/.$-])((?:examples|charts|requirements|tests|docs|\.ci)/[\w./-]*\w)", text))
+    paths |= {f"examples/kind/{name}" for name in re.findall(r"\$HERE/([\w.-]+)", text)}
+    paths |= {p for p in ("Containerfile", "pyproject.toml", "README.md") if p in text}
+    assert {"examples/kind/cluster.yaml", "examples/kind/stores.yaml", "examples/kind/values.yaml"} <= paths
+    assert [p for p in sorted(paths) if not (REPO / p).exists()] == []
+    # The smoke test it runs is the module the cluster test runs.
+    assert "-m tests.cluster.smoke" in text
+    smoke = subprocess.run(
+        [sys.executable, "-m", "tests.cluster.smoke", "--help"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert smoke.returncode == 0 and "--token-file" in smoke.stdout, smoke.stderr
+
+
+def test_the_kind_values_render_valid_objects_on_the_kind_stores(helm: Helm) -> None:
+    values = yaml.safe_load((KIND / "values.yaml").read_text())
+    image = f"{values['image']['repository']}:{values['image']['tag']}"
+    assert f"IMAGE={image}" in (KIND / "kind.sh").read_text()
+    docs = helm.template("-f", str(KIND / "values.yaml"), keys=())  # the keys are an existing Secret
+    for doc in docs:
+        for version in VALIDATE_AT:
+            kubernetes_validate.validate(doc, version, strict=True)
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Deployment"]
+    assert {c["image"] for p in pods for c in p.get("initContainers", []) + p["containers"]} == {image}
+
+    stores = [d for d in yaml.safe_load_all((KIND / "stores.yaml").read_text()) if d]
+    for doc in stores:
+        for version in VALIDATE_AT:
+            kubernetes_validate.validate(doc, version, strict=True)
+    services = {f"{d['metadata']['name']}.{d['metadata']['namespace']}" for d in stores if d["kind"] == "Service"}
+    urls = [
+        values["stores"]["postgres"]["dsn"],
+        values["stores"]["postgres"]["adminDsn"],
+        values["stores"]["redis"]["url"],
+    ]
+    assert {re.split(r"[@:/]", url.split("@")[-1].split("//")[-1])[0] for url in urls} <= services
+    init = next(d for d in stores if d["kind"] == "ConfigMap")["data"]["ibex-app.sql"]
+    app_user, app_password = re.match(r"postgresql://([^:]+):([^@]+)@", values["stores"]["postgres"]["dsn"]).groups()
+    assert f"CREATE ROLE {app_user} LOGIN" in init and f"PASSWORD '{app_password}'" in init and "NOBYPASSRLS" in init

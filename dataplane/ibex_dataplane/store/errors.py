@@ -24,7 +24,8 @@ class StoreQueryError(StoreError):
 
 
 class MigrationError(StoreError):
-    """A migration could not be applied, or an applied migration was changed after the fact."""
+    """A migration could not be applied, an applied migration was changed after the fact, or the schema a process
+    waits for (``ibex wait-schema``) did not arrive in time."""
 
 
 class TenantKeyError(StoreError, ValueError):

@@ -1,4 +1,6 @@
-"""Forward-only schema migrations for Postgres and ClickHouse, run by ``ibex migrate`` and at ``ibex dev`` start.
+"""Forward-only schema migrations for Postgres and ClickHouse, run by ``ibex migrate``, the operator's leader
+(``--migrate``) and at ``ibex dev`` start; and the wait for them (``ibex wait-schema``) that holds the data plane back
+until the Postgres schema it was built for is there.
 
 Migrations are numbered SQL files (``NNNN_name.sql``) under ``<migrations>/postgres`` and
 ``<migrations>/clickhouse``. Applied versions are recorded with a checksum; an applied file that changed later is
@@ -8,9 +10,11 @@ transaction, under an advisory lock so concurrent runners apply each version onc
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +134,50 @@ async def migrate_clickhouse(ch: ClickHouse, folder: Path) -> list[int]:
         log.info("applied clickhouse migration %04d_%s", m.version, m.name)
         applied_now.append(m.version)
     return applied_now
+
+
+async def _missing_postgres_versions(dsn: str, wanted: set[int]) -> str | None:
+    """What keeps the schema from being ready (``None``: every wanted version is applied)."""
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except (OSError, TimeoutError, asyncpg.PostgresError) as e:
+        return f"Postgres is not reachable ({type(e).__name__}: {e})"
+    try:
+        rows = await conn.fetch("SELECT version FROM schema_migrations")
+    except asyncpg.UndefinedTableError:
+        return "no migration has been applied yet"
+    except asyncpg.InsufficientPrivilegeError:
+        return "schema_migrations is not readable yet (migration 0031 grants it)"
+    except asyncpg.PostgresError as e:
+        return f"cannot read schema_migrations ({type(e).__name__}: {e})"
+    finally:
+        await conn.close()
+    missing = sorted(wanted - {r["version"] for r in rows})
+    if not missing:
+        return None
+    return f"{len(wanted) - len(missing)} of {len(wanted)} migrations applied, waiting for " + ", ".join(
+        f"{v:04d}" for v in missing
+    )
+
+
+async def wait_for_postgres_schema(
+    dsn: str, folder: Path, *, timeout: float, interval: float = 1.0, report_every: float = 15.0
+) -> int:
+    """Return (the number of migrations) once every Postgres migration in ``folder`` is applied, by whoever applies
+    them (the operator's leader, ``ibex migrate``); raise :class:`MigrationError` saying what is missing after
+    ``timeout`` seconds. Applies nothing and needs no privilege: ``dsn`` is the data plane's role, which may read
+    ``schema_migrations`` from migration 0031 on. An unreachable server, a missing table and a refused read all
+    mean "not yet"; the wait is logged every ``report_every`` seconds."""
+    wanted = {m.version for m in discover(folder)}
+    deadline = time.monotonic() + timeout
+    next_report = time.monotonic()
+    while (why := await _missing_postgres_versions(dsn, wanted)) is not None:
+        now = time.monotonic()
+        if now >= deadline:
+            raise MigrationError(f"the Postgres schema is not ready after {timeout:.0f} s: {why}")
+        if now >= next_report:
+            log.info("waiting for the Postgres schema (%.0f s left): %s", deadline - now, why)
+            next_report = now + report_every
+        await asyncio.sleep(min(interval, deadline - now))
+    log.info("the Postgres schema is ready: %d migrations applied", len(wanted))
+    return len(wanted)
