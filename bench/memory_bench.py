@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.stack import embedded_stack  # noqa: E402
+from ibex_dataplane.embedding.splade import OnnxSpladeEncoder  # noqa: E402
 from ibex_dataplane.memory.app import METRICS  # noqa: E402
 from ibex_dataplane.memory.models import Tenant as MemoryTenant  # noqa: E402
 from ibex_dataplane.memory.refinery import content_hash  # noqa: E402
@@ -158,13 +159,21 @@ async def timed(n: int, call: Callable[[int], Awaitable[None]]) -> list[float]:
 async def copy_rows(
     stores: Stores, tenant: Tenant, agent: str, texts: list[str], vectors: np.ndarray[Any, Any]
 ) -> None:
-    """Setup shortcut: rows with precomputed embeddings, COPY'd as the admin role (bypasses the refinery)."""
+    """Setup shortcut: rows with precomputed embeddings and SPLADE weights, COPY'd as the admin role (bypasses the
+    refinery; the triggers still write the BM25 and SPLADE postings). Without the weights, the memory stage's
+    sparse backfill would encode every row while the benchmark measures."""
     assert stores.admin_pool is not None
     org, agent_id = tenant.org_id, tenant.agents[agent]
+    encoder = OnnxSpladeEncoder.from_installed_packages()
+    try:
+        sparse = [v for i in range(0, len(texts), 256) for v in await encoder.encode(texts[i : i + 256])]
+    finally:
+        encoder.close()
     records = [
-        (uuid.uuid4(), org, agent_id, text, content_hash(text), "active", "imported", 1.0, "{}", vector)
-        for text, vector in zip(texts, vectors, strict=True)
-    ]
+        (uuid.uuid4(), org, agent_id, text, content_hash(text), "active", "imported", 1.0, "{}", vector,
+         w.tokens.tolist(), w.weights.tolist())
+        for text, vector, w in zip(texts, vectors, sparse, strict=True)
+    ]  # fmt: skip
     async with stores.admin_pool.acquire() as conn:
         for first in range(0, len(records), 5000):
             await conn.copy_records_to_table(
@@ -181,9 +190,16 @@ async def copy_rows(
                     "confidence",
                     "metadata",
                     "embedding",
+                    "sparse_tokens",
+                    "sparse_weights",
                 ],
             )
         await conn.execute("ANALYZE memories")
+        pending = await conn.fetchval(
+            "SELECT count(*) FROM memories WHERE agent_id = $1 AND status = 'active' AND sparse_tokens IS NULL",
+            agent_id,
+        )
+    assert pending == 0, f"{pending} copied rows without SPLADE weights"
 
 
 async def ann_recall(stores: Stores, tenant: Tenant, vectors: np.ndarray[Any, Any], k: int = 10) -> float:
