@@ -1,12 +1,14 @@
 """The learned order of memory search: a linear model over features of one query's candidates.
 
 The evidence of :mod:`~ibex_dataplane.memory.evidence` is a hand-made sum on absolute scales, good at telling a real
-match from junk (the floor judges it) but not at ordering real matches. The ranker scores each candidate that passed
-the floor with ``w . (x - mean) / scale``, where ``x`` holds :data:`FEATURES`: each leg's evidence and raw score
-relative to the best of the query, its rank in each leg, the fused evidence and what the candidate's neighbours
-and session hold, whether it starts with or holds a name the query mentions, whether a period the query names
-holds it, its length, whether it is a question. The score becomes the ``relevance`` component by a fixed linear map
-(``lo`` -> 0, ``hi`` -> 1, clipped), so the composite score can order the answer (see :func:`Ranker.relevance`).
+match from junk (the floor judges it) but not at ordering real matches. The ranker scores every candidate of the
+query with ``w . (x - mean) / scale`` (those below the floor too, as in training: they are part of what "the best
+of the query" means; the search then keeps only those that passed), where ``x`` holds :data:`FEATURES`: each leg's
+evidence and raw score relative to the best of the query, its rank in each leg, the fused evidence and what the
+candidate's neighbours and session hold, whether it starts with or holds a name the query mentions, whether a
+period the query names holds it, its length, whether it is a question. The score becomes the ``relevance``
+component by a fixed linear map (``lo`` -> 0, ``hi`` -> 1, clipped), so the composite score can order the answer
+(see :meth:`Ranker.relevance`).
 
 The weights are data, not code: ``ranker.json`` beside this module, written by ``bench/train_ranker.py`` (pairwise
 logistic loss over the candidates of real searches on the LoCoMo development split, evaluated leave one

@@ -139,13 +139,11 @@ def rank(
         relevance = evidence
         order = {i: -evidence[i] for i in passed}
     else:
-        chosen = [rows[i] for i in passed]
-        scores = ranker.scores(features(chosen, tuning, periods, names))
-        mapped = ranker.relevance(scores)
-        relevance = [0.0] * len(rows)
-        order = {}
-        for i, s, r in zip(passed, scores.tolist(), mapped.tolist(), strict=True):
-            relevance[i], order[i] = r, -s
+        # Features over every candidate, as the ranker was trained: a leg's best and a session's best are the
+        # query's, whether or not they passed the floor.
+        scores = ranker.scores(features(rows, tuning, periods, names))
+        relevance = ranker.relevance(scores).tolist()
+        order = {i: -float(scores[i]) for i in passed}
     kept = sorted(passed, key=lambda i: (order[i], str(rows[i].memory.id)))[:limit]
     hits: list[SearchHit] = []
     for i in kept:
