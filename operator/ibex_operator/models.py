@@ -142,7 +142,8 @@ class AgentMemory(_Model):
         description="Which messages of a turn are captured: the client's user messages, the model's answer, or both.",
     )
     extraction_model: ModelName | None = Field(
-        default=None, description="Model that extracts facts (capture: facts); unset: the agent's default model."
+        default=None,
+        description="Model that extracts facts (capture: facts); unset: the agent's default model, else the org's.",
     )
 
     @field_validator("capture_roles")
