@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, cast
 
 from aiohttp import ClientSession
+from prometheus_client import CollectorRegistry
 
+from ibex_dataplane.proxy.analytics import AnalyticsRecorder, Trace
 from ibex_dataplane.runtime.stores import Stores
-from ibex_dataplane.store.clickhouse import org_query
+from ibex_dataplane.store.clickhouse import ClickHouse, org_query
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import TenantFactory
 
@@ -73,3 +78,44 @@ async def test_usage_needs_its_scope_and_valid_parameters(proxy: RunningProxy, t
     status, body = await get(proxy, u.keys["alpha"], "/v1/usage?group_by=planet&from=yesterday")
     assert (status, body["error"]["code"]) == (400, "VALIDATION_ERROR")
     assert {f["field"] for f in body["error"]["field_errors"]} == {"group_by", "from"}
+
+
+class TrafficDuringInsert:
+    """The real ClickHouse, with one more request recorded while each insert is in flight (steady traffic)."""
+
+    def __init__(self, clickhouse: ClickHouse, recorder: Callable[[], AnalyticsRecorder], arrivals: int) -> None:
+        self._ch, self._recorder, self._arrivals = clickhouse, recorder, arrivals
+        self.inserts: list[tuple[str, int]] = []
+
+    async def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
+        self.inserts.append((table, len(rows)))
+        if self._arrivals > 0:
+            self._arrivals -= 1
+            self._recorder().record(a_trace())
+        await self._ch.insert(table, rows, column_names)
+
+
+def a_trace() -> Trace:
+    org = uuid.uuid4()
+    return Trace(
+        org_id=org, agent_id=uuid.uuid4(), request_id=str(uuid.uuid4()), ts=datetime.now(UTC), key_id="k",
+        session_id="s", route="chat.completions", model="echo", provider="echo", stream=False, status_code=200,
+        error_code="", priced=True,
+    )  # fmt: skip
+
+
+async def test_a_flush_writes_what_was_queued_and_leaves_later_rows_for_the_next(stores: Stores) -> None:
+    recorder: AnalyticsRecorder | None = None
+    traffic = TrafficDuringInsert(stores.clickhouse, lambda: cast(AnalyticsRecorder, recorder), arrivals=5)
+    recorder = AnalyticsRecorder(cast(ClickHouse, traffic), CollectorRegistry(), batch_size=2)
+    for _ in range(3):
+        recorder.record(a_trace())
+
+    await recorder.flush()
+
+    # Three rows queued: two batches (2 + 1), each a traces and a usage insert; the rows that arrived meanwhile
+    # (one per insert) are not chased.
+    assert traffic.inserts == [("llm_traces", 2), ("usage_facts", 2), ("llm_traces", 1), ("usage_facts", 1)]
+    assert recorder.written._value.get() == 3
+    await recorder.flush()  # the next flush takes them
+    assert [n for table, n in traffic.inserts[4:] if table == "llm_traces"] == [2, 2]

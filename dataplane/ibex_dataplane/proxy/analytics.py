@@ -129,8 +129,15 @@ class AnalyticsRecorder:
             await self.flush()
 
     async def flush(self) -> None:
-        while self._queue:
-            batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+        """Write the rows queued when the flush starts, in batches. Rows recorded while it writes wait for the next
+        flush: under steady traffic the queue is never empty, and draining it until it is would turn the periodic
+        flush into a stream of tiny inserts (each with ClickHouse's fixed cost of a new part)."""
+        pending = len(self._queue)
+        while pending > 0:
+            batch = [self._queue.popleft() for _ in range(min(self._batch_size, pending, len(self._queue)))]
+            if not batch:
+                return
+            pending -= len(batch)
             try:
                 await self._ch.insert("llm_traces", [t.trace_row() for t in batch], TRACE_COLUMNS)
                 priced = [t.usage_row() for t in batch if t.priced]
