@@ -15,12 +15,19 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from ibex_dataplane.proxy.ratelimit import WINDOW_SECONDS, RateDecision, RateLimiter, RateLimits
+from ibex_dataplane.proxy.ratelimit import (
+    WINDOW_SECONDS,
+    DeferredCorrections,
+    RateDecision,
+    RateLimiter,
+    RateLimits,
+)
 from ibex_dataplane.runtime import embedded as embedded_module
 from ibex_dataplane.runtime.embedded import EmbeddedValkey, RuntimeInfo
 from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.keys import TenantKeys
 from ibex_dataplane.store.redis import create_redis
+from tests.support.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
 WINDOW_START = 1_800_000_000.0  # a multiple of 60: the start of a window
@@ -376,6 +383,103 @@ async def test_keys_carry_the_org_tag_and_expire_shortly_after_their_window(
     clock.now = WINDOW_START + WINDOW_SECONDS + 1
     await limiter.admit(org, agent, RateLimits(5, 50, 5, 50), 1)
     assert 65_000 < await redis.pttl(keys.org_rate_window()) <= 69_000
+
+
+# -- deferred corrections -------------------------------------------------------------------------------------------
+
+
+class CountingLimiter(RateLimiter):
+    """The real limiter, counting the correction calls that reach Redis."""
+
+    calls = 0
+
+    async def adjust_tokens(
+        self, org_id: uuid.UUID, agent_id: uuid.UUID, limits: RateLimits, delta: int, *, window: int | None = None
+    ) -> None:
+        self.calls += 1
+        await super().adjust_tokens(org_id, agent_id, limits, delta, window=window)
+
+
+async def test_deferred_corrections_are_summed_into_one_call_per_agent_and_end_as_one_by_one(
+    redis: aioredis.Redis, clock: FakeClock
+) -> None:
+    limiter = CountingLimiter(redis, clock=clock)
+    limits = RateLimits(agent_rpm=None, agent_tpm=10_000, org_rpm=None, org_tpm=10_000)
+    org, a = ids()
+    b = uuid.uuid4()
+    decisions = [await limiter.admit(org, agent, limits, 100) for agent in (a, a, a, b)]
+    corrections = DeferredCorrections(limiter, delay=60.0)  # only the explicit flush sends here
+    for decision, (agent, delta) in zip(decisions, [(a, -60), (a, -70), (a, 5), (b, -100)], strict=True):
+        corrections.add(org, agent, limits, delta, window=decision.window)
+    corrections.add(org, a, limits, 0, window=decisions[0].window)  # nothing to correct: nothing queued
+    assert limiter.calls == 0 and corrections.pending == 4
+
+    await corrections.flush()
+
+    # a's refunds summed (one call), a's overrun apart (one call), b's refund (one call)
+    assert limiter.calls == 3 and corrections.pending == 0
+    keys = TenantKeys(org)
+    assert (await window_counts(redis, keys.agent_rate_window(a)))["t"] == 300 - 60 - 70 + 5
+    assert (await window_counts(redis, keys.agent_rate_window(b)))["t"] == 0
+    assert (await window_counts(redis, keys.org_rate_window()))["t"] == 400 - 60 - 70 + 5 - 100
+
+
+async def test_deferred_corrections_keep_the_window_rules(redis: aioredis.Redis, clock: FakeClock) -> None:
+    limiter = RateLimiter(redis, clock=clock)
+    limits = RateLimits(agent_rpm=None, agent_tpm=100, org_rpm=None, org_tpm=None)
+    org, agent = ids()
+    old = await limiter.admit(org, agent, limits, 100)
+    clock.now += WINDOW_SECONDS
+    assert (await limiter.admit(org, agent, limits, 40)).allowed
+    corrections = DeferredCorrections(limiter, delay=60.0)
+    corrections.add(org, agent, limits, -100, window=old.window)  # a refund for the past window frees nothing
+    corrections.add(org, agent, limits, 30, window=old.window)  # a late overrun is charged to the current one
+    await corrections.flush()
+    assert (await window_counts(redis, TenantKeys(org).agent_rate_window(agent)))["t"] == 40 + 30
+
+
+async def test_deferred_corrections_are_sent_after_their_delay_and_at_close(redis: aioredis.Redis) -> None:
+    limiter = RateLimiter(redis)
+    limits = RateLimits(agent_rpm=None, agent_tpm=1000, org_rpm=None, org_tpm=None)
+    org, agent = ids()
+    key = TenantKeys(org).agent_rate_window(agent)
+    await away_from_window_edge(redis)
+    decision = await limiter.admit(org, agent, limits, 100)
+    corrections = DeferredCorrections(limiter, delay=0.01)
+    corrections.add(org, agent, limits, -40, window=decision.window)
+
+    async def corrected() -> bool:
+        return corrections.pending == 0 and (await window_counts(redis, key))["t"] == 60
+
+    await until(corrected, what="the timer sent the refund")
+    slow = DeferredCorrections(limiter, delay=3600.0)
+    slow.add(org, agent, limits, -10, window=decision.window)
+    await slow.close()  # shutdown does not wait for the delay
+    assert (await window_counts(redis, key))["t"] == 50
+    slow.add(org, agent, limits, -10, window=decision.window)  # after close each correction goes at once
+    await slow.close()
+    assert (await window_counts(redis, key))["t"] == 40
+
+
+async def test_lost_deferred_corrections_are_reported_with_their_request_count(tmp_path: Path) -> None:
+    valkey = EmbeddedValkey(tmp_path)
+    await asyncio.to_thread(valkey.start)
+    client = create_redis(valkey.url, timeout=1.0)
+    lost: list[int] = []
+    try:
+        limiter = RateLimiter(client)
+        limits = RateLimits(agent_rpm=None, agent_tpm=1000, org_rpm=None, org_tpm=None)
+        org, agent = ids()
+        decision = await limiter.admit(org, agent, limits, 100)
+        corrections = DeferredCorrections(limiter, delay=3600.0, on_failure=lost.append)
+        corrections.add(org, agent, limits, -10, window=decision.window)
+        corrections.add(org, agent, limits, -20, window=decision.window)
+        await asyncio.to_thread(valkey.stop)
+        await corrections.flush()
+        assert lost == [2] and corrections.pending == 0
+    finally:
+        await client.aclose()
+        await asyncio.to_thread(valkey.stop)
 
 
 # -- failure --------------------------------------------------------------------------------------------------------

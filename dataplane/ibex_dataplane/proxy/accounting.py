@@ -30,7 +30,7 @@ from ibex_dataplane.proxy.capture import capture_of
 from ibex_dataplane.proxy.context import ContextOutcome
 from ibex_dataplane.proxy.gates import GateState
 from ibex_dataplane.proxy.metrics import ProxyMetrics
-from ibex_dataplane.proxy.ratelimit import RateLimiter, RateLimits
+from ibex_dataplane.proxy.ratelimit import DeferredCorrections, RateLimiter, RateLimits
 from ibex_dataplane.proxy.repository import DirectiveRow
 from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.shared.budget import BudgetHold, BudgetService
@@ -140,10 +140,20 @@ class Accounting:
         self._metrics = metrics
         self._catalog = catalog
         self._budgets = budgets
-        self._rate_limiter = rate_limiter
         self._sessions = sessions
         self._analytics = analytics
         self.background = background
+        self._rate_limiter = rate_limiter
+        self.corrections = DeferredCorrections(rate_limiter, on_failure=self._corrections_lost)
+
+    def _corrections_lost(self, requests: int) -> None:
+        if self._metrics is not None:
+            self._metrics.background_failures.labels("tpm").inc(requests)
+        log.warning("token-window corrections of %d requests were lost (their estimates stay charged)", requests)
+
+    async def close(self) -> None:
+        """At shutdown, after the background work drained: send the pending token corrections."""
+        await self.corrections.close()
 
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:
@@ -163,6 +173,7 @@ class Accounting:
         plan.rate_admitted = False
         caller = state.require_caller()
         _, agent = state.require_agent()
+        # At once, not deferred: a client retrying a refusal must find its window free again.
         self.background.spawn(
             "tpm",
             self._rate_limiter.adjust_tokens(
@@ -179,8 +190,9 @@ class Accounting:
         completion: str | None = None,
         answer: str | None = None,
     ) -> None:
-        """Settle or release the hold, correct the TPM charge, checkpoint the session and, for a complete answer
-        (``answer`` is its text), queue the turn's capture; never blocks the answer."""
+        """Settle or release the hold, correct the TPM charge (gathered with other requests' corrections for a few
+        milliseconds, :class:`DeferredCorrections`), checkpoint the session and, for a complete answer (``answer``
+        is its text), queue the turn's capture; never blocks the answer."""
         caller = state.require_caller()
         policy, agent = state.require_agent()
         plan.usage, plan.served_by = usage, served_by
@@ -199,11 +211,7 @@ class Accounting:
                 )  # fmt: skip
         used = usage.total_tokens if usage is not None else 0
         delta = used - plan.charged_tokens
-        if delta:
-            self.background.spawn(
-                "tpm",
-                self._rate_limiter.adjust_tokens(caller.org_id, agent.id, plan.limits, delta, window=plan.rate_window),
-            )
+        self.corrections.add(caller.org_id, agent.id, plan.limits, delta, window=plan.rate_window)
         if usage is not None and plan.session_id:  # embeddings belong to no session
             capture = (
                 capture_of(agent, plan.client_messages, answer, plan.observed_at, policy.default_model)

@@ -242,6 +242,7 @@ def create_app(
             await listener.stop()
             budgets.stop_retrying()  # settles waiting on a lost Postgres end now instead of holding up shutdown
             await background.drain()
+            await accounting.close()
             await budgets.drain()
             await analytics.stop()
             await registry.aclose()

@@ -30,6 +30,7 @@ stored rather than resetting it, so small skew between injected clocks cannot re
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -346,3 +347,89 @@ def _tightest(*tiers: tuple[int | None, int]) -> tuple[int | None, int | None]:
     if best is None:
         return None, None
     return best[1], best[0]
+
+
+@dataclass(frozen=True)
+class _CorrectionKey:
+    org_id: UUID
+    agent_id: UUID
+    limits: RateLimits
+    window: int | None
+    refund: bool  # refunds and charges are summed apart: each keeps its own window rule in the adjust script
+
+
+class DeferredCorrections:
+    """Token corrections gathered for ``delay`` seconds, then sent one per agent, window and direction.
+
+    After every answer the proxy corrects the admitted token estimate by the actual usage; sent one by one that is a
+    Redis call per request, as costly as the admission itself. Gathered, the corrections of every request an agent
+    finished within ``delay`` are summed and sent as one :meth:`RateLimiter.adjust_tokens` call. The sum is exact:
+    charges and refunds are kept apart, a refund still goes only to the window it was admitted in, and refunds
+    clamped at zero one by one or together end the same. The only difference is timing: a correction takes effect
+    up to ``delay`` later, so for that long the window holds the (conservative) estimate. Failures are reported to
+    ``on_failure`` with the number of requests whose correction was lost (a lost correction leaves the estimate
+    charged, as with a single call). :meth:`close` sends what is pending and stops deferring.
+    """
+
+    def __init__(
+        self, limiter: RateLimiter, *, delay: float = 0.025, on_failure: Callable[[int], None] | None = None
+    ) -> None:
+        if delay <= 0:
+            raise ValueError("delay must be positive")
+        self._limiter = limiter
+        self._delay = delay
+        self._on_failure = on_failure
+        self._pending: dict[_CorrectionKey, list[int]] = {}  # key -> [summed delta, requests]
+        self._timer: asyncio.TimerHandle | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def add(self, org_id: UUID, agent_id: UUID, limits: RateLimits, delta: int, *, window: int | None) -> None:
+        """Queue one request's correction (``delta`` as for :meth:`RateLimiter.adjust_tokens`); never blocks."""
+        if delta == 0 or limits.unlimited:
+            return
+        key = _CorrectionKey(org_id, agent_id, limits, window, delta < 0)
+        entry = self._pending.setdefault(key, [0, 0])
+        entry[0] += delta
+        entry[1] += 1
+        if self._closed:
+            self._spawn_flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._delay, self._spawn_flush)
+
+    @property
+    def pending(self) -> int:
+        """Requests whose correction has not been sent yet."""
+        return sum(requests for _, requests in self._pending.values())
+
+    def _spawn_flush(self) -> None:
+        self._timer = None
+        task = asyncio.get_running_loop().create_task(self.flush(), name="ibex-tpm-corrections")
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def flush(self) -> None:
+        """Send every pending correction now."""
+        batch, self._pending = self._pending, {}
+        if not batch:
+            return
+        results = await asyncio.gather(
+            *(
+                self._limiter.adjust_tokens(k.org_id, k.agent_id, k.limits, delta, window=k.window)
+                for k, (delta, _) in batch.items()
+            ),
+            return_exceptions=True,
+        )
+        lost = sum(requests for (_, requests), r in zip(batch.values(), results, strict=True) if r is not None)
+        if lost and self._on_failure is not None:
+            self._on_failure(lost)
+
+    async def close(self) -> None:
+        """At shutdown: send what is pending (and, from now on, each correction as it comes), then wait for it."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        await self.flush()
+        while self._flushes:
+            await asyncio.gather(*self._flushes, return_exceptions=True)
