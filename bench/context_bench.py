@@ -40,6 +40,7 @@ from aiohttp import ClientSession
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.figures import Figures, latency  # noqa: E402
 from bench.memory_bench import copy_rows, pct, query, sentence  # noqa: E402
 from bench.stack import embedded_stack  # noqa: E402
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2 as pb  # noqa: E402
@@ -57,7 +58,7 @@ def summary(label: str, ms: list[float]) -> str:
     )
 
 
-def versions() -> str:
+def versions(durability: dict[str, str]) -> str:
     import grpc as g
     import onnxruntime
 
@@ -65,11 +66,12 @@ def versions() -> str:
     return (
         f"commit {commit.stdout.strip()}; python {platform.python_version()}; numpy {np.__version__}; "
         f"grpcio {g.__version__}; onnxruntime {onnxruntime.__version__}; cores {os.cpu_count()}; "
-        f"Postgres 18 (embedded, fsync on, synchronous_commit default); loadavg before {os.getloadavg()}"
+        f"Postgres 18 (embedded, fsync {durability['fsync']}, synchronous_commit {durability['synchronous_commit']});"
+        f" loadavg before {os.getloadavg()}"
     )
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, figures: Figures) -> None:
     rng = random.Random(11)
     async with embedded_stack("ibex-context-bench-") as stack:
         settings, stores, embedder = stack.settings, stack.stores, stack.embedder
@@ -80,7 +82,9 @@ async def run(args: argparse.Namespace) -> None:
         texts = [sentence(rng, i) for i in range(args.memories)]
         vectors = np.vstack([await embedder.embed(texts[i : i + 256]) for i in range(0, len(texts), 256)])
         await copy_rows(stores, tenant, "alpha", texts, vectors)
-        print(versions(), flush=True)
+        print(versions(stack.durability), flush=True)
+        figures.put("durability", stack.durability)
+        figures.put("memories", args.memories)
         print(f"setup: {args.memories} memories COPY'd for one agent; {args.hot} written through the refinery")
         async with (
             running_proxy(settings, stores, stack.pepper, memory=stack.memory_deps) as proxy,
@@ -97,12 +101,12 @@ async def run(args: argparse.Namespace) -> None:
             async with grpc.aio.insecure_channel(proxy.context.address) as channel:
                 stub = pb_grpc.ContextAssemblyStub(channel)  # type: ignore[no-untyped-call]
                 for repeat in range(args.repeats):
-                    await one_round(args, rng, stub, signer, tenant, plain, proxy, http, repeat)
+                    await one_round(args, rng, stub, signer, tenant, plain, proxy, http, repeat, figures)
 
 
 async def one_round(
     args: argparse.Namespace, rng: random.Random, stub: Any, signer: PrincipalSigner, tenant: Any, plain: Any,
-    proxy: Any, http: ClientSession, repeat: int,
+    proxy: Any, http: ClientSession, repeat: int, figures: Figures,
 ) -> None:  # fmt: skip
     assembly_ms: list[float] = []
     server_ms: list[float] = []
@@ -161,6 +165,13 @@ async def one_round(
     print(summary("chat through the proxy, memory off", without))
     added = statistics.median(with_memory) - statistics.median(without)
     print(f"  added by context assembly (p50 difference): {added:.2f} ms")
+    figures.put(f"repeats.{repeat}", {
+        "assembly": latency(assembly_ms, samples=True), "inside_stage": latency(server_ms),
+        "phases_median_ms": {k: statistics.median(v) for k, v in phases.items() if v},
+        "memories_placed_median": statistics.median(placed), "degraded": degraded,
+        "over_deadline": over, "chat_memory_on": latency(with_memory), "chat_memory_off": latency(without),
+        "added_p50_ms": added, "load": os.getloadavg()[0],
+    })  # fmt: skip
 
 
 def main() -> None:
@@ -169,9 +180,12 @@ def main() -> None:
     parser.add_argument("--hot", type=int, default=50)
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(run(args))
+    figures = Figures("context")
+    asyncio.run(run(args, figures))
+    figures.write(args.json)
 
 
 if __name__ == "__main__":

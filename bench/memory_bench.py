@@ -37,6 +37,7 @@ from aiohttp import ClientSession
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.figures import Figures, latency  # noqa: E402
 from bench.stack import embedded_stack  # noqa: E402
 from ibex_dataplane.embedding.splade import OnnxSpladeEncoder  # noqa: E402
 from ibex_dataplane.memory.app import METRICS  # noqa: E402
@@ -132,6 +133,12 @@ def phase_means(metrics: Any, before: dict[str, tuple[float, float]]) -> tuple[s
         if count > c0:
             parts.append(f"{phase}={(total - t0) / (count - c0) * 1000:.2f}ms")
     return "  mean per phase in the memory stage: " + " ".join(parts), now
+
+
+def phase_dict(line: str) -> dict[str, float]:
+    """``phase_means``' line back as {phase: mean ms} (for the JSON figures)."""
+    pairs = (part.split("=") for part in line.split(":", 1)[1].split())
+    return {phase: float(value.removesuffix("ms")) for phase, value in pairs}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -240,7 +247,7 @@ async def direct_search(stores: Stores, tenant: Tenant, vectors: np.ndarray[Any,
     return out
 
 
-async def run(args: argparse.Namespace) -> list[str]:
+async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
     lines: list[str] = []
 
     def report(line: str) -> None:
@@ -282,6 +289,8 @@ async def run(args: argparse.Namespace) -> list[str]:
                 args.single, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)
             )
             report(summary("single write (through proxy)", single))
+            figures.put("single_write", latency([s * 1000 for s in single]))
+            figures.put("durability", stack.durability)
 
             total = args.single + 20
             statuses: dict[int, int] = {}
@@ -306,6 +315,8 @@ async def run(args: argparse.Namespace) -> list[str]:
                 elapsed = time.perf_counter() - started
                 report(f"bulk ingest, batches of 100, {streams} stream(s): {total - before} memories in "
                        f"{elapsed:.1f}s = {(total - before) / elapsed:.0f} memories/s")  # fmt: skip
+                figures.put(f"bulk.streams_{streams}", {"memories": total - before, "seconds": elapsed,
+                                                        "per_second": (total - before) / elapsed})  # fmt: skip
 
             report(f"bulk item statuses (201 created, 202 quarantined, 200 duplicate): {sorted(statuses.items())}")
 
@@ -316,11 +327,15 @@ async def run(args: argparse.Namespace) -> list[str]:
                 await search(0)
             assert proxy.memory is not None
             _, marks = phase_means(proxy.memory.app[METRICS], {})
-            report(summary(f"search at {total // 1000}k (through proxy)", await timed(args.searches, search)))
+            small = await timed(args.searches, search)
+            report(summary(f"search at {total // 1000}k (through proxy)", small))
             line, marks = phase_means(proxy.memory.app[METRICS], marks)
             report(line)
             qvecs = embedder.embed_sync([query(rng) for _ in range(50)])
-            report(f"filtered ANN recall@10 at {total // 1000}k: {await ann_recall(stores, tenant, qvecs):.3f}")
+            recall = await ann_recall(stores, tenant, qvecs)
+            report(f"filtered ANN recall@10 at {total // 1000}k: {recall:.3f}")
+            figures.put(f"search.{total}", {"latency": latency([s * 1000 for s in small], samples=True),
+                                            "phases_ms": phase_dict(line), "ann_recall_at_10": recall})  # fmt: skip
 
             if args.big > total:
                 extra = args.big - total
@@ -340,8 +355,10 @@ async def run(args: argparse.Namespace) -> list[str]:
                 for _ in range(20):
                     await search(0)
                 _, marks = phase_means(proxy.memory.app[METRICS], {})
-                report(summary(f"search at {args.big // 1000}k (through proxy)", await timed(args.searches, search)))
-                report(phase_means(proxy.memory.app[METRICS], marks)[0])
+                big = await timed(args.searches, search)
+                report(summary(f"search at {args.big // 1000}k (through proxy)", big))
+                line = phase_means(proxy.memory.app[METRICS], marks)[0]
+                report(line)
                 report(
                     summary(
                         f"  repository.search alone at {args.big // 1000}k",
@@ -352,7 +369,12 @@ async def run(args: argparse.Namespace) -> list[str]:
                     100, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)
                 )
                 report(summary(f"single write at {args.big // 1000}k", single_big))
-                report(f"filtered ANN recall@10 at {args.big // 1000}k: {await ann_recall(stores, tenant, qvecs):.3f}")
+                recall = await ann_recall(stores, tenant, qvecs)
+                report(f"filtered ANN recall@10 at {args.big // 1000}k: {recall:.3f}")
+                big_ms = [s * 1000 for s in big]
+                found = {"latency": latency(big_ms, samples=True), "phases_ms": phase_dict(line),
+                         "ann_recall_at_10": recall}  # fmt: skip
+                figures.put(f"search.{args.big}", found)
     return lines
 
 
@@ -366,11 +388,14 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="concurrent batch requests in the second ingest half")
     parser.add_argument("--verbose", action="store_true", help="log per-stage refinery timings")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.verbose:
         logging.getLogger("ibex_dataplane.memory.refinery").setLevel(logging.INFO)
-    lines = asyncio.run(run(args))
+    figures = Figures("memory")
+    lines = asyncio.run(run(args, figures))
+    figures.write(args.json)
     if args.out:
         command = "python bench/memory_bench.py " + " ".join(sys.argv[1:])
         args.out.write_text("$ " + command + "\n" + "\n".join(lines) + "\n")

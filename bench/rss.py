@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.figures import Figures
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.stores import migrations_dir
 from ibex_dataplane.settings import Settings
@@ -141,7 +142,7 @@ def import_costs() -> list[tuple[str, int]]:
     return rows
 
 
-async def measure(args: argparse.Namespace) -> None:
+async def measure(args: argparse.Namespace, figures: Figures) -> None:
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     root = Path(tempfile.mkdtemp(prefix="ibex-rss-"))
     runtime = EmbeddedRuntime(root / "stores")
@@ -194,9 +195,18 @@ async def measure(args: argparse.Namespace) -> None:
         print(f"{name:28}{idle.get(name, 0):10d}{warm.get(name, 0):10d}{peak.get(name, 0):10d}{hwm.get(name, 0):12d}")
     print("\nfresh interpreter, cumulative RSS after each step (MiB):")
     previous = 0
-    for label, value in import_costs():
+    steps = import_costs()
+    for label, value in steps:
         print(f"  {label:55}{value:6d}  (+{value - previous})")
         previous = value
+    figures.put("rate", args.rate)
+    figures.put("processes_mib", {
+        name: {"idle": idle.get(name, 0), "warm": warm.get(name, 0), "load_max": peak.get(name, 0),
+               "peak_hwm": hwm.get(name, 0)}
+        for name in pids
+    })  # fmt: skip
+    figures.put("import_steps_mib", dict(steps))
+    figures.put("failures", {"warm": dict(warm_failures), "load": dict(load_failures)})
 
 
 def main() -> None:
@@ -204,7 +214,11 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second of the mixed load")
     parser.add_argument("--warm", type=float, default=20.0, help="seconds of warm-up load")
     parser.add_argument("--seconds", type=float, default=40.0, help="seconds of sampled load")
-    asyncio.run(measure(parser.parse_args()))
+    parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
+    args = parser.parse_args()
+    figures = Figures("rss")
+    asyncio.run(measure(args, figures))
+    figures.write(args.json)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,34 @@ class Stack:
     redactor: PiiRedactor
     pepper: bytes
     tenants: TenantFactory
+    durability: dict[str, str]  # the Postgres settings the benchmark ran with (production_durability)
 
     @property
     def memory_deps(self) -> MemoryDeps:
         return MemoryDeps(self.embedder, self.redactor)
+
+
+async def production_durability(admin_dsn: str | None) -> dict[str, str]:
+    """Give the embedded Postgres the durability of production, whose defaults it otherwise trades for speed: every
+    commit waits for its WAL flush (``synchronous_commit = on``). Returns the settings as a new session sees them."""
+    import asyncpg
+
+    assert admin_dsn is not None
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute("ALTER SYSTEM SET synchronous_commit = 'on'")
+        await conn.execute("SELECT pg_reload_conf()")
+    finally:
+        await conn.close()
+    for _ in range(100):  # the postmaster applies the reload on its own time; a new session shows when it has
+        fresh = await asyncpg.connect(admin_dsn)
+        try:
+            settings = {name: await fresh.fetchval(f"SHOW {name}") for name in ("synchronous_commit", "fsync")}
+        finally:
+            await fresh.close()
+        if settings["synchronous_commit"] == "on":
+            return settings
+    raise RuntimeError(f"Postgres did not take synchronous_commit = on: {settings}")
 
 
 @asynccontextmanager
@@ -56,6 +80,7 @@ async def embedded_stack(prefix: str) -> AsyncIterator[Stack]:
             await migrate_all(urls, settings, clickhouse)
         finally:
             await clickhouse.close()
+        durability = await production_durability(runtime.info.postgres_admin_dsn)
         stores = await Stores.open(urls, settings, admin=True)
         embedder = OnnxMiniLMEmbedder.from_installed_packages()
         redactor = PiiRedactor()
@@ -64,7 +89,8 @@ async def embedded_stack(prefix: str) -> AsyncIterator[Stack]:
             pepper = secrets.token_bytes(32)
             sink = FileSecretSink(root / "s.json")
             reconciler = Reconciler(TenantConfigRepository(stores.admin_pool, stores.redis), sink, pepper)
-            yield Stack(root, settings, stores, embedder, redactor, pepper, TenantFactory(reconciler, sink))
+            tenants = TenantFactory(reconciler, sink)
+            yield Stack(root, settings, stores, embedder, redactor, pepper, tenants, durability)
         finally:
             redactor.close()
             embedder.close()

@@ -1,0 +1,101 @@
+"""The benchmark report's own logic: targets met or missed by how much, the profile summary, the plots and the
+markdown, on small fixed figures (the benchmarks themselves are not run here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.figures import latency
+from bench.report import markdown, plots, profile_top, target_rows
+
+ENV = {"date": "2026-12-02T00:00:00+00:00", "commit": "abc123def4567890", "dirty": False, "python": "3.11.7",
+       "machine": "x86_64", "cores": 2, "load_before": [0.1, 0.2, 0.3], "libraries": {"aiohttp": "3"},
+       "quick": False}  # fmt: skip
+
+
+def results() -> dict[str, Any]:
+    def lat(values: list[float]) -> dict[str, Any]:
+        return {"latency": latency(values, samples=True), "rps": 100.0, "errors": 0}
+
+    proxy = {
+        "targets": {"direct": lat([0.5, 0.6, 0.7]), "ibex": lat([2.5, 3.0, 9.0])},
+        "added": {"ibex": {"p50": 2.4, "p95": 5.0, "p99": 8.3}},
+        "workers": {"1": {"rps": 200.0, "errors": 0}, "2": {"rps": 320.0, "errors": 0}},
+        "durability": {"synchronous_commit": "on", "fsync": "on"},
+    }
+    memory = {
+        "search": {
+            "10000": {"latency": latency([10.0, 12.0, 14.0], samples=True), "phases_ms": {"embed": 4.0},
+                      "ann_recall_at_10": 1.0},
+            "100000": {"latency": latency([15.0, 18.0, 19.5], samples=True), "phases_ms": {"embed": 5.0},
+                       "ann_recall_at_10": 0.998},
+        },
+        "bulk": {"streams_1": {"memories": 9000, "seconds": 60.0, "per_second": 150.0}},
+    }  # fmt: skip
+    context = {"memories": 10_000, "repeats": {
+        str(i): {"assembly": latency([20.0 + i, 30.0 + i, 50.0 + i], samples=True), "phases_median_ms": {"cold": 9.0},
+                 "over_deadline": 1} for i in range(3)}}  # fmt: skip
+    return {
+        "proxy": {"command": "python -m bench.proxy_overhead", "seconds": 1, "exit": 0, "figures": proxy,
+                  "profile_top": [("gate (proxy/generation.py)", 12.5)]},
+        "memory": {"command": "python bench/memory_bench.py", "seconds": 1, "exit": 0, "figures": memory},
+        "context": {"command": "python bench/context_bench.py", "seconds": 1, "exit": 0, "figures": context},
+    }  # fmt: skip
+
+
+def by_target(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["target"].split(" (")[0]: r for r in rows}
+
+
+def test_targets_say_met_or_by_how_much_they_are_missed() -> None:
+    rows = by_target(target_rows(results()))
+    p50 = rows["proxy added latency p50"]
+    assert (p50["measured"], p50["met"]) == (2.4, False)
+    assert p50["note"] == "missed by 1.4 ms (2.4x)"
+    assert rows["proxy added latency p99"]["met"] is False
+    throughput = rows["requests/s of one proxy process"]
+    assert (throughput["measured"], throughput["met"]) == (200.0, False)
+    assert throughput["note"] == "missed by 2.8e+03 req/s (15.0x)"
+    assert rows["memory search p95 at 100k memories"]["met"] is True  # 19.5 <= 20, the biggest size measured
+    assert rows["bulk ingest through the proxy"]["met"] is True  # exactly 150 meets "at least 150"
+    context = rows["context assembly p95 at 10k memories"]
+    assert context["measured"] == 51.0 and context["met"] is False  # the median of the repeats' p95 (50, 51, 52)
+    litellm = rows["added latency ours / LiteLLM, p50"]
+    assert litellm["met"] is None and "not measured" in litellm["note"]
+
+
+def test_a_missing_benchmark_is_reported_as_not_measured() -> None:
+    rows = target_rows({})
+    assert all(r["met"] is None and r["measured"] is None for r in rows)
+    assert by_target(rows)["proxy added latency p50"]["note"] == "proxy benchmark missing"
+
+
+def test_the_profile_summary_ranks_the_projects_functions_by_inclusive_samples(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.txt"
+    profile.write_text(
+        "run (uvloop/__init__.py:1);gate (ibex_dataplane/proxy/generation.py:10);call_as (ibex_dataplane/store/"
+        "postgres.py:5) 6\n"
+        "run (uvloop/__init__.py:1);gate (ibex_dataplane/proxy/generation.py:10) 2\n"
+        "run (uvloop/__init__.py:1);admit (ibex_dataplane/proxy/ratelimit.py:3) 2\n"
+    )
+    assert profile_top(profile) == [
+        ("gate (proxy/generation.py)", 80.0), ("call_as (store/postgres.py)", 60.0),
+        ("admit (proxy/ratelimit.py)", 20.0),
+    ]  # fmt: skip
+
+
+def test_plots_and_markdown_are_written(tmp_path: Path) -> None:
+    data = results()
+    images = plots(data, tmp_path / "2026-12-02")
+    assert [name for _, name in images] == [
+        "2026-12-02-proxy-latency.png", "2026-12-02-proxy-workers.png", "2026-12-02-search.png",
+        "2026-12-02-context.png",
+    ]  # fmt: skip
+    for _, name in images:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = markdown(ENV, data, target_rows(data), images)
+    assert "| proxy added latency p50 | 1 ms | 2.4 ms | no | missed by 1.4 ms (2.4x) |" in text
+    assert "Postgres synchronous_commit = on, fsync = on" in text
+    assert "- 12.5 % gate (proxy/generation.py)" in text
+    assert "![Throughput vs workers](2026-12-02-proxy-workers.png)" in text
