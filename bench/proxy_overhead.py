@@ -33,6 +33,8 @@ from typing import Any
 
 import aiohttp
 
+from bench.durability import production_durability
+from bench.figures import Figures, latency
 from tests.support.upstream import API_KEY
 
 TENANT = """\
@@ -156,7 +158,7 @@ async def measure(
             finally:
                 if profiler is not None:
                     profile_stop(profiler)
-    return {name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name]) for name, values in latencies.items()}
+    return {name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name], values) for name, values in latencies.items()}
 
 
 def profile_start(path: str, pid: int | None) -> subprocess.Popen[bytes] | None:
@@ -219,6 +221,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--litellm", default=None, help="path of a `litellm` executable to measure side by side")
     parser.add_argument("--profile", default=None, help="py-spy the proxy during its throughput phase into this file")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
     args = parser.parse_args()
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "IBEX_LOG_LEVEL": "WARNING"}
@@ -244,6 +247,8 @@ def main() -> None:
         )  # fmt: skip
         litellm_proc = None
         try:
+            admin_dsn = json.loads((root / "data" / "runtime.json").read_text())["postgres_admin_dsn"]
+            durability = asyncio.run(production_durability(admin_dsn))
             token = json.loads((root / "keys.json").read_text())["bench/bench-key"]
             targets = {
                 "direct": (upstream_url + "/chat/completions", {"Authorization": f"Bearer {API_KEY}"}),
@@ -264,11 +269,12 @@ def main() -> None:
             stop(upstream_proc)
 
     print(f"latency: {args.requests} sequential requests per target in {args.rounds} interleaved rounds; "
-          f"throughput: {args.throughput_requests} requests at concurrency {args.concurrency}")  # fmt: skip
+          f"throughput: {args.throughput_requests} requests at concurrency {args.concurrency}; Postgres "
+          + ", ".join(f"{k} = {v}" for k, v in durability.items()))  # fmt: skip
     direct = result["direct"][0]
     print(f"{'':10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}  {'added p50':>10}{'added p95':>10}{'added p99':>10}"
           "  req/s  errors")  # fmt: skip
-    for name, (lat, rps, errors) in result.items():
+    for name, (lat, rps, errors, _) in result.items():
         added = [lat[p] - direct[p] for p in (50, 95, 99)]
         print(f"{name:10}{lat[50]:9.3f}{lat[95]:9.3f}{lat[99]:9.3f}  {added[0]:10.3f}{added[1]:10.3f}{added[2]:10.3f}"
               f"  {rps:7.0f}  {errors:6d}")  # fmt: skip
@@ -277,6 +283,21 @@ def main() -> None:
         theirs = result["litellm"][0][50] - direct[50]
         print(f"added p50, ibex / litellm: {ours / theirs:.2f}; throughput ratio ibex / litellm: "
               f"{result['ibex'][1] / result['litellm'][1]:.1f}")  # fmt: skip
+    figures = Figures("proxy")
+    figures.put("durability", durability)
+    figures.put("method", f"{args.requests} sequential requests per target in {args.rounds} interleaved rounds; "
+                f"added = the target's quantile minus the direct upstream's quantile of the same run; throughput: "
+                f"{args.throughput_requests} requests at concurrency {args.concurrency}")  # fmt: skip
+    for name, (_, rps, errors, samples) in result.items():
+        figures.put(f"targets.{name}", {"latency": latency(samples, samples=True), "rps": rps, "errors": errors})
+        if name != "direct":
+            figures.put(f"added.{name}", {f"p{p}": result[name][0][p] - direct[p] for p in (50, 95, 99)})
+    if "litellm" in result:
+        figures.put("ratio_litellm", {
+            f"p{p}": (result["ibex"][0][p] - direct[p]) / (result["litellm"][0][p] - direct[p]) for p in (50, 99)
+        })  # fmt: skip
+    figures.put("workers.1", {"rps": result["ibex"][1], "errors": result["ibex"][2]})
+    figures.write(args.json)
 
 
 if __name__ == "__main__":
