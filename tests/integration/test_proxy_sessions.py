@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import timedelta
+from decimal import Decimal
+from typing import Any
 
 from aiohttp import ClientSession
 
-from ibex_dataplane.proxy.sessions import SessionService
+from ibex_dataplane.proxy.capture import CaptureRequest
+from ibex_dataplane.proxy.sessions import SessionService, Turn
 from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.shared.budget import BudgetPolicy, BudgetService, Enforcement
+from ibex_dataplane.shared.budget_repository import HoldStatus
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import TenantFactory
 
@@ -85,3 +90,43 @@ async def test_idle_sessions_are_closed_by_the_sweeper(tenants: TenantFactory, s
     async with stores.admin_pool.acquire() as conn:
         status = await conn.fetchval("SELECT status FROM sessions WHERE org_id = $1", t.org_id)
     assert (turn, status) == (2, "active")
+
+
+async def settled_turn(stores: Stores, tenants: TenantFactory, capture: CaptureRequest | None) -> tuple[Any, ...]:
+    """Settle a fresh hold together with a checkpoint; returns what the call said, the hold and the session rows."""
+    t = await tenants.create(directive=None)
+    budgets = BudgetService(stores.db)
+    policy = BudgetPolicy(org_limit_usd=Decimal("1.00"), agent_limit_usd=None, enforcement=Enforcement.HARD_CAP)
+    hold = await budgets.hold(t.org_id, t.agents["alpha"], "srv-1", Decimal("0.10"), policy)
+    settlement = budgets.settlement(hold, Decimal("0.03"), model="echo", prompt_tokens=7, completion_tokens=5)
+    turn = Turn("conv-9", "req-9", ["d1", "d2"], "c1", 7, 5, 12.5, capture)
+    written = await SessionService(stores.db).settle_and_record_turn(settlement, turn)
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        held = await conn.fetchrow("SELECT status, actual_usd FROM budget_holds WHERE id = $1", hold.id)
+        ledger = await conn.fetchval("SELECT count(*) FROM budget_ledger WHERE org_id = $1", t.org_id)
+        checkpoints = await conn.fetch(
+            "SELECT turn, request_id, messages_sha256, prompt_tokens, completion_tokens FROM session_checkpoints"
+            " WHERE org_id = $1",
+            t.org_id,
+        )
+        jobs = await conn.fetchval("SELECT count(*) FROM capture_jobs WHERE org_id = $1", t.org_id)
+    return written, held, ledger, checkpoints, jobs
+
+
+async def test_an_answer_settles_and_checkpoints_in_one_statement(tenants: TenantFactory, stores: Stores) -> None:
+    capture = CaptureRequest("turns", None, [{"role": "user", "content": "hello"}], None)
+    written, held, ledger, checkpoints, jobs = await settled_turn(stores, tenants, capture)
+    assert (written.hold_before, written.turn, written.checkpoint_error) == (HoldStatus.HELD, 1, None)
+    assert (held["status"], held["actual_usd"], ledger) == ("settled", Decimal("0.03"), 1)
+    assert [tuple(r) for r in checkpoints] == [(1, "req-9", ["d1", "d2"], 7, 5)]
+    assert jobs == 1
+
+
+async def test_a_checkpoint_that_fails_leaves_the_settle_standing(tenants: TenantFactory, stores: Stores) -> None:
+    # A capture mode the queue refuses (CHECK constraint) fails the checkpoint's subtransaction only.
+    broken = CaptureRequest("bogus", None, [{"role": "user", "content": "hello"}], None)
+    written, held, ledger, checkpoints, jobs = await settled_turn(stores, tenants, broken)
+    assert (written.hold_before, written.turn, written.checkpoint_error) == (HoldStatus.HELD, None, "23514")
+    assert (held["status"], held["actual_usd"], ledger) == ("settled", Decimal("0.03"), 1)
+    assert checkpoints == [] and jobs == 0  # the turn and its job went together

@@ -32,8 +32,8 @@ from ibex_dataplane.proxy.gates import GateState
 from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.ratelimit import DeferredCorrections, RateLimiter, RateLimits
 from ibex_dataplane.proxy.repository import DirectiveRow
-from ibex_dataplane.proxy.sessions import SessionService
-from ibex_dataplane.shared.budget import BudgetHold, BudgetService
+from ibex_dataplane.proxy.sessions import SessionService, Turn
+from ibex_dataplane.shared.budget import BudgetHold, BudgetService, Settlement
 from ibex_dataplane.shared.idempotency import Claim
 
 log = logging.getLogger(__name__)
@@ -198,20 +198,24 @@ class Accounting:
         plan.usage, plan.served_by = usage, served_by
         if usage is not None:
             plan.cost = self._catalog.cost(served_by, usage.prompt_tokens, usage.completion_tokens)
-        if plan.hold is not None:
-            if usage is None:
-                self._count("released")
-                self.background.spawn("release", self._budgets.release(plan.hold))
-            else:
-                self._count("settled")
-                self.background.spawn(
-                    "settle",
-                    self._budgets.settle(plan.hold, plan.cost, model=served_by, prompt_tokens=usage.prompt_tokens,
-                                         completion_tokens=usage.completion_tokens),
-                )  # fmt: skip
         used = usage.total_tokens if usage is not None else 0
-        delta = used - plan.charged_tokens
-        self.corrections.add(caller.org_id, agent.id, plan.limits, delta, window=plan.rate_window)
+        self.corrections.add(caller.org_id, agent.id, plan.limits, used - plan.charged_tokens, window=plan.rate_window)
+        settlement = None
+        if plan.hold is not None and usage is None:
+            self._count("released")
+            self.background.spawn("release", self._budgets.release(plan.hold))
+        elif plan.hold is not None and usage is not None:
+            self._count("settled")
+            try:
+                settlement = self._budgets.settlement(
+                    plan.hold, plan.cost, model=served_by, prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                )  # fmt: skip
+            except ValueError:  # a cost out of any sane range: a bug of ours, never the client's answer's problem
+                if self._metrics is not None:
+                    self._metrics.background_failures.labels("settle").inc()
+                log.exception("cannot settle request %s (the hold stays until it expires)", state.request_id)
+        turn = None
         if usage is not None and plan.session_id:  # embeddings belong to no session
             capture = (
                 capture_of(agent, plan.client_messages, answer, plan.observed_at, policy.default_model)
@@ -219,16 +223,42 @@ class Accounting:
                 else None
             )
             plan.captured = capture is not None
-            self.background.spawn(
-                "checkpoint",
-                self._sessions.record_turn(
-                    caller.org_id, agent.id, plan.session_id, request_id=state.request_id,
-                    message_digests=[content_digest(m) for m in plan.body.get("messages", [])],
-                    completion_digest=completion, prompt_tokens=usage.prompt_tokens,
-                    completion_tokens=usage.completion_tokens,
-                    latency_ms=(time.perf_counter() - state.started) * 1000, capture=capture,
-                ),
+            turn = Turn(
+                plan.session_id, state.request_id, [content_digest(m) for m in plan.body.get("messages", [])],
+                completion, usage.prompt_tokens, usage.completion_tokens,
+                (time.perf_counter() - state.started) * 1000, capture,
             )  # fmt: skip
+        if settlement is not None and turn is not None:
+            self.background.spawn("settle", self._settle_and_checkpoint(settlement, turn))
+        elif settlement is not None:
+            self.background.spawn("settle", self._budgets.settle_again(settlement))
+        elif turn is not None:
+            self.background.spawn("checkpoint", self._sessions.record_turn(
+                caller.org_id, agent.id, turn.external_id, request_id=turn.request_id,
+                message_digests=turn.message_digests, completion_digest=turn.completion_digest,
+                prompt_tokens=turn.prompt_tokens, completion_tokens=turn.completion_tokens,
+                latency_ms=turn.latency_ms, capture=turn.capture,
+            ))  # fmt: skip
+
+    async def _settle_and_checkpoint(self, settlement: Settlement, turn: Turn) -> None:
+        """Settle and checkpoint in one statement. When the statement fails it is unknown whether it committed:
+        the settle is sent again (idempotent, retried until Postgres is back, so no money is lost); the checkpoint
+        is not (it is not idempotent) and counts as failed, as a lone checkpoint does when Postgres is down."""
+        try:
+            written = await self._sessions.settle_and_record_turn(settlement, turn)
+        except Exception as e:
+            self._checkpoint_failed()
+            log.warning("settle with checkpoint failed (%s); settling alone", type(e).__name__)
+            await self._budgets.settle_again(settlement)
+            return
+        self._budgets.settled(settlement, written.hold_before)
+        if written.checkpoint_error is not None:
+            self._checkpoint_failed()
+            log.warning("session checkpoint failed (SQLSTATE %s); the settle stands", written.checkpoint_error)
+
+    def _checkpoint_failed(self) -> None:
+        if self._metrics is not None:
+            self._metrics.background_failures.labels("checkpoint").inc()
 
     def trace(self, state: GateState, route: str, status: int, error_code: str) -> None:
         """One analytics row per request that got as far as a known org and agent (never content)."""

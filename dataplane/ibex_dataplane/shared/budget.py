@@ -124,6 +124,17 @@ class BudgetHold:
 
 
 @dataclass(frozen=True)
+class Settlement:
+    """What settling one hold writes: its actual cost (validated and rounded) and the usage behind it."""
+
+    hold: BudgetHold
+    actual_usd: Decimal
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
 class BudgetSnapshot:
     """One scope's totals for the current period; ``limit_usd`` is the newest limit a hold saw (None: no limit)."""
 
@@ -228,17 +239,33 @@ class BudgetService:
             )
         return BudgetHold(hold_id, org_id, agent_id, request_id, amount, period, over)
 
+    def settlement(
+        self, hold: BudgetHold, actual_usd: Decimal, *, model: str, prompt_tokens: int, completion_tokens: int
+    ) -> Settlement:
+        """The settle of ``hold`` to ``actual_usd`` (which may exceed the hold), validated and rounded, for
+        :meth:`settle` or for a statement that settles along with other work (the proxy's session checkpoint)."""
+        actual = _usd(actual_usd, "actual_usd", ROUND_HALF_EVEN)
+        if prompt_tokens < 0 or completion_tokens < 0:
+            raise ValueError("token counts must not be negative")
+        return Settlement(hold, actual, model, prompt_tokens, completion_tokens)
+
     async def settle(
         self, hold: BudgetHold, actual_usd: Decimal, *, model: str, prompt_tokens: int, completion_tokens: int
     ) -> None:
         """Turn the hold into spend of ``actual_usd`` (which may exceed the hold) and write the ledger row.
 
         Idempotent: a second settle changes nothing; a hold the sweeper expired is counted once, late. Runs to
-        completion even if the caller is cancelled.
+        completion even if the caller is cancelled, retrying while Postgres is unavailable.
         """
-        actual = _usd(actual_usd, "actual_usd", ROUND_HALF_EVEN)
-        if prompt_tokens < 0 or completion_tokens < 0:
-            raise ValueError("token counts must not be negative")
+        settlement = self.settlement(
+            hold, actual_usd, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+        )
+        await self.settle_again(settlement)
+
+    async def settle_again(self, settlement: Settlement) -> None:
+        """:meth:`settle` for a settlement already made (also after a statement carrying it failed: settling is
+        idempotent, so whether that statement committed does not matter)."""
+        hold = settlement.hold
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self._settle_retry_for
         delay = 0.05
@@ -249,10 +276,10 @@ class BudgetService:
                         hold.org_id,
                         hold.agent_id,
                         hold.id,
-                        actual_usd=actual,
-                        model=model,
-                        prompt_tokens=prompt_tokens,
-                        completion_tokens=completion_tokens,
+                        actual_usd=settlement.actual_usd,
+                        model=settlement.model,
+                        prompt_tokens=settlement.prompt_tokens,
+                        completion_tokens=settlement.completion_tokens,
                     )
                 )
                 break
@@ -268,6 +295,11 @@ class BudgetService:
                 finally:
                     self.retrying -= 1
                 delay = min(delay * 2, 5.0)
+        self.settled(settlement, before)
+
+    def settled(self, settlement: Settlement, before: HoldStatus | None) -> None:
+        """Report a settle that was written: ``before`` is the status the hold had (None: no such hold)."""
+        hold = settlement.hold
         if before is None:
             log.warning("settle of an unknown budget hold ignored (request_id=%s hold=%s)", hold.request_id, hold.id)
         elif before is HoldStatus.SETTLED:
