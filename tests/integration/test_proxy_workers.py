@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import uuid
@@ -68,11 +69,22 @@ def worker_pids(supervisor: int) -> set[int]:
 
 
 def is_gone(pid: int) -> bool:
+    """No process ``pid`` any more (reaping it if it was orphaned to us: the suite is the subreaper)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    except ChildProcessError:
+        pass  # not our child (yet): a worker of a live supervisor
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     return False
+
+
+def run_dir_of(supervisor: int) -> Path:
+    (cmdline, *_) = [c for _, c in child_processes(supervisor) if "--worker-run-dir" in c]
+    return Path(cmdline.split("--worker-run-dir ", 1)[1].split()[0])
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -316,3 +328,35 @@ async def test_a_worker_that_dies_stops_the_other_and_the_proxy_exits_1(
     assert code == 1, output
     assert f"worker {victim} was killed by SIGKILL; stopping the others and exiting 1" in output
     assert is_gone(survivor) and is_gone(victim)
+
+
+async def test_sigint_stops_every_worker_too_and_the_run_folder_is_removed(
+    embedded: EmbeddedRuntime, stores: Stores, pepper: bytes, tmp_path: Path
+) -> None:
+    url = await migrated_chdb(tmp_path / "clickhouse")
+    with workers_proxy(embedded, pepper, url) as running:
+        pids = worker_pids(running.proc.pid)
+        run_dir = run_dir_of(running.proc.pid)
+        assert len(pids) == 2 and (run_dir / "metrics").is_dir() and (run_dir / "engine.sock").exists()
+        running.proc.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(running.proc.wait, 60)
+    assert code == 0, "".join(running.output)
+    assert all(is_gone(pid) for pid in pids) and not run_dir.exists()
+
+
+async def test_the_workers_of_a_killed_supervisor_stop_on_their_own(
+    embedded: EmbeddedRuntime, stores: Stores, pepper: bytes, tmp_path: Path
+) -> None:
+    url = await migrated_chdb(tmp_path / "clickhouse")
+    with workers_proxy(embedded, pepper, url) as running:
+        pids = worker_pids(running.proc.pid)
+        run_dir = run_dir_of(running.proc.pid)
+        assert len(pids) == 2
+        running.proc.kill()
+        await asyncio.to_thread(running.proc.wait, 60)
+        shutil.rmtree(run_dir)  # a killed supervisor cannot remove it
+
+        async def orphans_gone() -> bool:
+            return all(is_gone(pid) for pid in pids)
+
+        await until(orphans_gone, "the orphaned workers to exit")

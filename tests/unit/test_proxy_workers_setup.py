@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.runtime.workers import cgroup_cpu_limit, usable_cpus
 from ibex_dataplane.store.clickhouse import EngineAddress, EngineServer
 
@@ -40,3 +41,10 @@ def test_the_engine_server_refuses_a_peer_without_its_key(tmp_path: Path) -> Non
             Client(address.path, family="AF_UNIX", authkey=b"x" * 32)
     finally:
         server.close()
+
+
+def test_a_single_process_proxy_exports_no_per_worker_series_and_refuses_a_multiprocess_dir(tmp_path: Path) -> None:
+    metrics = ProxyMetrics()
+    assert metrics.worker_requests is None and b"ibex_proxy_worker_requests" not in metrics.render()
+    with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
+        ProxyMetrics(tmp_path)  # this process did not start in multiprocess mode
