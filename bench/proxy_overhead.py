@@ -8,6 +8,11 @@ reports the added latency (p50/p95/p99 of proxy minus direct) and requests/s thr
 
 Run from the repository root:  .venv/bin/python -m bench.proxy_overhead [--requests N] [--concurrency C]
 
+With ``--workers 1,2`` it also measures ``ibex proxy --workers N`` for each N, beside ``ibex dev`` on its stores
+(``--data-dir``) with an embedded ClickHouse of its own (migrated first, so analytics rows are written as in
+``ibex dev``); the targets are named ``workers=N``. The load generator is this one Python process, on the same
+machine: at some point it, not the proxy, is the limit (compare with ``direct``).
+
 With ``--litellm PATH/TO/litellm`` it also measures LiteLLM's proxy side by side (master key only, no database,
 one worker, the same upstream). LiteLLM is not a dependency of this project; install it in a scratch virtualenv:
 ``python3 -m venv "$LITELLM_VENV" && "$LITELLM_VENV/bin/pip" install 'litellm[proxy]'`` (any scratch folder).
@@ -207,6 +212,21 @@ def start_litellm(binary: str, upstream: str, root: Path, env: dict[str, str]) -
     raise SystemExit("LiteLLM did not start")
 
 
+def start_workers_proxy(workers: int, root: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """`ibex proxy --workers N` on the stores of the running `ibex dev` (data dir ``root/data``), with a migrated
+    embedded ClickHouse of its own (`ibex dev` holds its engine)."""
+    proxy_env = {**env, "IBEX_CLICKHOUSE_URL": f"chdb://{root / f'clickhouse-{workers}'}"}
+    subprocess.run(
+        [sys.executable, "-m", "ibex_dataplane.cli", "migrate"], env={**proxy_env, "IBEX_DATA_DIR": str(root / "data")},
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return start(
+        [sys.executable, "-m", "ibex_dataplane.cli", "proxy", "--workers", str(workers), "--data-dir",
+         str(root / "data"), "--port", "0"],
+        proxy_env, r"^ibex proxy ready: (http://\S+)",
+    )  # fmt: skip
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -222,6 +242,10 @@ def main() -> None:
     parser.add_argument("--litellm", default=None, help="path of a `litellm` executable to measure side by side")
     parser.add_argument("--profile", default=None, help="py-spy the proxy during its throughput phase into this file")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
+    parser.add_argument(
+        "--workers", type=lambda v: [int(n) for n in v.split(",")], default=[],
+        help="also measure `ibex proxy --workers N` for each N of this comma-separated list",
+    )  # fmt: skip
     args = parser.parse_args()
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "IBEX_LOG_LEVEL": "WARNING"}
@@ -246,6 +270,7 @@ def main() -> None:
             dev_env, r"ready.*(http://\S+) ",
         )  # fmt: skip
         litellm_proc = None
+        worker_procs: list[subprocess.Popen[str]] = []
         try:
             admin_dsn = json.loads((root / "data" / "runtime.json").read_text())["postgres_admin_dsn"]
             durability = asyncio.run(production_durability(admin_dsn))
@@ -255,6 +280,10 @@ def main() -> None:
                 "ibex": (proxy_url + "/v1/chat/completions",
                          {"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": "bench-agent"}),
             }  # fmt: skip
+            for n in args.workers:
+                proc, url = start_workers_proxy(n, root, dev_env)
+                worker_procs.append(proc)
+                targets[f"workers={n}"] = (url + "/v1/chat/completions", targets["ibex"][1])
             if args.litellm:
                 litellm_proc, litellm_url = start_litellm(args.litellm, upstream_url, root, env)
                 targets["litellm"] = (
@@ -265,6 +294,8 @@ def main() -> None:
         finally:
             if litellm_proc is not None:
                 stop(litellm_proc)
+            for proc in worker_procs:
+                stop(proc)
             stop(dev_proc)
             stop(upstream_proc)
 
@@ -296,7 +327,9 @@ def main() -> None:
         figures.put("ratio_litellm", {
             f"p{p}": (result["ibex"][0][p] - direct[p]) / (result["litellm"][0][p] - direct[p]) for p in (50, 99)
         })  # fmt: skip
-    figures.put("workers.1", {"rps": result["ibex"][1], "errors": result["ibex"][2]})
+    for n in args.workers:  # `ibex proxy --workers N` alone (the "ibex" target is `ibex dev`, every stage in one)
+        _, rps, errors, _ = result[f"workers={n}"]
+        figures.put(f"workers.{n}", {"rps": rps, "errors": errors})
     figures.write(args.json)
 
 

@@ -40,6 +40,7 @@ from ibex_dataplane.proxy.app import create_app
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime, RuntimeHolder, RuntimeInfo, runtime_holder
 from ibex_dataplane.runtime.errors import DataDirInUse, EmbeddedStoreError
 from ibex_dataplane.runtime.stores import Stores, StoreUrls, load_or_create_secret, migrate_all, migrations_dir
+from ibex_dataplane.runtime.workers import WorkerContext, WorkerLaunch, supervise, usable_cpus
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.clickhouse import ClickHouse
@@ -303,23 +304,35 @@ def cmd_dev(args: argparse.Namespace, settings: Settings) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-async def _wait_for_signal() -> None:
+async def _wait_for_signal(lifeline: int | None = None) -> None:
+    """Until SIGINT or SIGTERM (or, for a proxy worker, until its supervisor's end of ``lifeline`` closes)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    if lifeline is not None:
+        loop.add_reader(lifeline, stop.set)  # readable only at end of file: the supervisor is gone
+    try:
+        await stop.wait()
+    finally:
+        if lifeline is not None:
+            loop.remove_reader(lifeline)
 
 
-async def _serve_app(app: web.Application, host: str, port: int, name: str) -> None:
-    """Listen until SIGINT/SIGTERM, after printing the `ready` line with the bound URL."""
+async def _serve_app(app: web.Application, host: str, port: int, name: str, worker: WorkerLaunch | None = None) -> None:
+    """Listen until SIGINT/SIGTERM, after printing the `ready` line with the bound URL. A proxy ``worker`` shares
+    the port (SO_REUSEPORT) and tells its supervisor instead, which prints the line once for all."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=worker is not None).start()
         bound = runner.addresses[0][1] if runner.addresses else port
-        print(f"ibex {name} ready: http://{host}:{bound}", flush=True)
-        await _wait_for_signal()
+        if worker is None:
+            print(f"ibex {name} ready: http://{host}:{bound}", flush=True)
+        else:
+            os.write(worker.ready_fd, b"ready\n")
+            os.close(worker.ready_fd)
+        await _wait_for_signal(worker.lifeline_fd if worker is not None else None)
     finally:
         await runner.cleanup()
 
@@ -361,7 +374,9 @@ def _engine_holder(settings: Settings, urls: StoreUrls) -> RuntimeHolder | None:
     return runtime_holder(settings.data_dir)
 
 
-async def _serve_proxy(args: argparse.Namespace, settings: Settings) -> int:
+def _proxy_preflight(settings: Settings) -> tuple[StoreUrls, bytes] | int:
+    """The proxy's store URLs and key pepper, or the exit code after saying why it cannot start (checked before
+    anything opens, in the supervisor too: each worker would fail the same way)."""
     urls = StoreUrls.from_settings(settings)
     holder = _engine_holder(settings, urls)
     if holder is not None:
@@ -374,24 +389,73 @@ async def _serve_proxy(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 2
     if settings.key_pepper:
-        pepper = settings.key_pepper.get_secret_value().encode()
-    else:
-        pepper_file = settings.data_dir / "pepper"
-        if not pepper_file.exists():
-            print("ibex proxy: set IBEX_KEY_PEPPER (or run next to `ibex dev`'s data dir)", file=sys.stderr)
-            return 2
-        pepper = load_or_create_secret(pepper_file)
-    stores = await Stores.open(urls, settings)
+        return urls, settings.key_pepper.get_secret_value().encode()
+    pepper_file = settings.data_dir / "pepper"
+    if not pepper_file.exists():
+        print("ibex proxy: set IBEX_KEY_PEPPER (or run next to `ibex dev`'s data dir)", file=sys.stderr)
+        return 2
+    return urls, load_or_create_secret(pepper_file)
+
+
+async def _serve_proxy(args: argparse.Namespace, settings: Settings) -> int:
+    preflight = _proxy_preflight(settings)
+    if isinstance(preflight, int):
+        return preflight
+    urls, pepper = preflight
+    worker: WorkerLaunch | None = None
+    context: WorkerContext | None = None
+    clickhouse: ClickHouse | None = None
+    if args.worker_run_dir:  # one worker of `ibex proxy --workers N` (see runtime/workers.py)
+        ready_fd, lifeline_fd = (int(fd) for fd in args.worker_fds.split(","))
+        worker = WorkerLaunch(args.port, Path(args.worker_run_dir), ready_fd, lifeline_fd)
+        context = WorkerContext.read(worker.run_dir)
+        if context.engine is not None:
+            clickhouse = ClickHouse(urls.clickhouse_url, engine=context.engine)
     try:
-        await _serve_app(create_app(settings, stores, pepper=pepper), args.host, args.port, "proxy")
-        return 0
+        stores = await Stores.open(urls, settings, clickhouse=clickhouse)
+        try:
+            app = create_app(settings, stores, pepper=pepper, metrics_dir=context.metrics_dir if context else None)
+            await _serve_app(app, args.host, args.port, "proxy", worker)
+            return 0
+        finally:
+            await stores.close()
     finally:
-        await stores.close()
+        if clickhouse is not None:
+            await clickhouse.close()
+
+
+def _proxy_workers(args: argparse.Namespace, settings: Settings) -> int:
+    """``--workers``, else ``IBEX_PROXY_WORKERS``; 0 (the default) is one per usable CPU."""
+    workers: int = settings.proxy_workers if args.workers is None else args.workers
+    return workers or usable_cpus()
 
 
 def cmd_proxy(args: argparse.Namespace, settings: Settings) -> int:
-    """The proxy stage alone."""
-    return _run_stage("proxy", args, settings, _serve_proxy)
+    """The proxy stage alone: one process with ``--workers 1``, else a supervisor and its workers."""
+    workers = _proxy_workers(args, settings)
+    if workers == 1 or args.worker_run_dir:
+        return _run_stage("proxy", args, settings, _serve_proxy)
+    if args.data_dir:
+        settings = settings.model_copy(update={"data_dir": Path(args.data_dir)})
+    try:
+        preflight = _proxy_preflight(settings)
+    except EmbeddedStoreError as e:
+        print(f"ibex proxy: {e}", file=sys.stderr)
+        return 1
+    if isinstance(preflight, int):
+        return preflight
+    urls, _ = preflight
+    data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
+
+    def command(launch: WorkerLaunch) -> list[str]:
+        return [
+            sys.executable, "-m", "ibex_dataplane.cli", "proxy", "--workers", "1", *data_dir, "--host", args.host,
+            "--port", str(launch.port), "--worker-run-dir", str(launch.run_dir),
+            "--worker-fds", f"{launch.ready_fd},{launch.lifeline_fd}",
+        ]  # fmt: skip
+
+    engine_url = urls.clickhouse_url if urls.clickhouse_url.startswith("chdb:") else None
+    return supervise(workers, args.host, args.port, command, engine_url=engine_url)
 
 
 async def _serve_memory(args: argparse.Namespace, settings: Settings) -> int:
@@ -749,6 +813,16 @@ def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
     return code
 
 
+def _count(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from e
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value!r}")
+    return count
+
+
 def _int_list(value: str) -> list[int]:
     try:
         items = [int(v) for v in value.split(",") if v.strip()]
@@ -818,6 +892,13 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--data-dir", default=None, help="attach to the stores of `ibex dev` running on this data dir")
     proxy.add_argument("--host", default=None, help="listen address (IBEX_HOST)")
     proxy.add_argument("--port", type=int, default=None, help="port, 0 for a free one (IBEX_PORT)")
+    proxy.add_argument(
+        "--workers", type=_count, default=None,
+        help="worker processes sharing the port; 0: one per usable CPU (IBEX_PROXY_WORKERS, default 0)",
+    )  # fmt: skip
+    # Set by the supervisor of `--workers N` on each worker's command line (see runtime/workers.py).
+    proxy.add_argument("--worker-run-dir", default=None, help=argparse.SUPPRESS)
+    proxy.add_argument("--worker-fds", default=None, help=argparse.SUPPRESS)
     proxy.set_defaults(func=cmd_proxy)
 
     memory = _command(sub, "memory", "run the memory stage against configured (or `ibex dev`'s) stores")

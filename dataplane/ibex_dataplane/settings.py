@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="Address the proxy listens on.")
     port: int = Field(default=8080, ge=0, le=65535, description="Port the proxy listens on (0 picks a free one).")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1, description="Largest accepted request body.")
+    proxy_workers: int = Field(
+        default=0, ge=0, description="Worker processes of `ibex proxy` (its --workers); 0: one per usable CPU."
+    )
 
     analytics_flush_seconds: float = Field(
         default=1.0, gt=0, description="How often buffered analytics rows are flushed to ClickHouse."

@@ -94,7 +94,7 @@ def test_the_chart_renders_the_data_plane_and_operator_as_specified(helm: Helm) 
     containers = {c["name"]: c for c in data_plane["containers"]}
     assert list(containers) == ["proxy", "memory", "context"]
     for name, c in containers.items():
-        assert c["command"] == ["ibex"] and c["args"] == [name]
+        assert c["command"] == ["ibex"] and c["args"] == ([name, "--workers", "2"] if name == "proxy" else [name])
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert c["startupProbe"]["httpGet"]["path"] == "/healthz"  # loading may take minutes: no liveness kill
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -135,6 +135,20 @@ def test_the_chart_renders_the_data_plane_and_operator_as_specified(helm: Helm) 
     assert helm.template("--set", "crds.install=false") and not [
         d for d in helm.template("--set", "crds.install=false") if d["kind"] == "CustomResourceDefinition"
     ]
+
+
+def test_the_proxy_runs_the_configured_number_of_workers(helm: Helm) -> None:
+    from ibex_dataplane.cli import _proxy_workers, build_parser
+    from ibex_dataplane.runtime.workers import usable_cpus
+    from ibex_dataplane.settings import Settings
+
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    for value, workers in (("4", 4), ("1", 1), ("0", usable_cpus())):
+        docs = helm.template("--set", f"dataPlane.proxy.workers={value}")
+        (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-ibex-dataplane"]
+        (proxy,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "proxy"]
+        assert proxy["args"] == ["proxy", "--workers", value]
+        assert _proxy_workers(build_parser().parse_args(proxy["args"]), settings) == workers
 
 
 def test_rbac_is_namespaced_by_default_and_cluster_wide_only_on_opt_in(helm: Helm) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -110,12 +111,14 @@ def create_app(
     context_url: str | None = None,
     principal_signer: PrincipalSigner | None = None,
     embedder: Embedder | None = None,
+    metrics_dir: Path | None = None,
 ) -> web.Application:
     """The proxy. Memory routes reach the stage at ``memory_url`` and chat reaches the context stage at
     ``context_url`` with principals from ``principal_signer``; they default to ``IBEX_MEMORY_URL``,
     ``IBEX_CONTEXT_URL`` and ``IBEX_INTERNAL_SECRET`` (without a secret memory routes answer 503 and context
-    assembly degrades). ``embedder`` serves the built-in embedding model; without one it is loaded on first use."""
-    metrics = ProxyMetrics()
+    assembly degrades). ``embedder`` serves the built-in embedding model; without one it is loaded on first use.
+    ``metrics_dir``: this is one worker of several, whose metrics are merged through files there (see metrics.py)."""
+    metrics = ProxyMetrics(metrics_dir)
     app = web.Application(
         middlewares=[timing_middleware(metrics), envelope_middleware], client_max_size=settings.max_body_bytes
     )

@@ -2,17 +2,26 @@
 
 One registry per application (no global state), rendered by ``GET /metrics``. :func:`timing_middleware` times every
 request by route template (``/v1/memories/{memory_id}``, ``/mcp``; ``unmatched`` for unknown paths) and status.
+
+In a worker of ``ibex proxy --workers N`` (``multiprocess_dir`` set; prometheus_client's multiprocess mode, which
+its supervisor turns on with ``PROMETHEUS_MULTIPROC_DIR`` before the worker starts) every worker writes its values
+to files of that per-run folder and ``GET /metrics`` on any worker renders the sum over all of them: counters and
+histograms add up (those of workers that exited included), the breaker gauge shows the most open state among live
+workers, and ``ibex_proxy_worker_requests{pid}`` counts the requests each live worker finished.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values as prometheus_values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _SLOW = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -21,7 +30,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ProxyMetrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: Path | None = None) -> None:
+        if multiprocess_dir is not None and not getattr(prometheus_values.ValueClass, "_multiprocess", False):
+            # Chosen by prometheus_client when it is first imported: too late to turn on from here.
+            raise RuntimeError("multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set before the process starts")
+        self._multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         r = self.registry
         self.gate_seconds = Histogram(
@@ -63,7 +76,7 @@ class ProxyMetrics:
         )  # fmt: skip
         self.breaker_state = Gauge(
             "ibex_proxy_provider_breaker_state", "Circuit breaker of each network provider: 0 closed, 1 half-open, "
-            "2 open (read at scrape time).", ["provider"], registry=r,
+            "2 open (read at scrape time).", ["provider"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
         self.mcp_messages = Counter(
             "ibex_proxy_mcp_messages_total", "MCP JSON-RPC messages by method and outcome (ok or the JSON-RPC code).",
@@ -74,6 +87,13 @@ class ProxyMetrics:
             ["tool", "outcome"], registry=r,
         )  # fmt: skip
 
+        self.worker_requests: Gauge | None = None
+        if multiprocess_dir is not None:
+            self.worker_requests = Gauge(
+                "ibex_proxy_worker_requests", "Requests finished by each live worker process of the proxy (label "
+                "pid; only with --workers above 1).", registry=r, multiprocess_mode="liveall",
+            )  # fmt: skip
+
         self._before_render: list[Callable[[], None]] = []
 
     def before_render(self, refresh: Callable[[], None]) -> None:
@@ -83,7 +103,11 @@ class ProxyMetrics:
     def render(self) -> bytes:
         for refresh in self._before_render:
             refresh()
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=str(self._multiprocess_dir))  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
 
 
 def timing_middleware(metrics: ProxyMetrics) -> Middleware:
@@ -104,5 +128,7 @@ def timing_middleware(metrics: ProxyMetrics) -> Middleware:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "unmatched"
             metrics.request_seconds.labels(route, str(status)).observe(time.perf_counter() - started)
+            if metrics.worker_requests is not None:
+                metrics.worker_requests.inc()
 
     return middleware

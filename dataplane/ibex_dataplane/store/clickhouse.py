@@ -3,7 +3,10 @@
 The client is synchronous, so calls never run on the event loop. Over HTTP they run on one worker thread (the
 socket I/O releases the GIL). The embedded chdb engine, however, holds the GIL for milliseconds at a time, which
 would stall every request of the process, so for ``chdb://`` URLs the engine lives in a dedicated child process
-and calls are shipped to it (rows and results are plain picklable values). ClickHouse has no row-level security:
+and calls are shipped to it (rows and results are plain picklable values). A data path opens in one process only,
+so the workers of ``ibex proxy --workers N`` do not open it: the supervisor serves its one engine to them over a
+Unix socket (:class:`EngineServer`, authenticated with a per-run key) and their clients are
+``ClickHouse(url, engine=EngineAddress(...))``. ClickHouse has no row-level security:
 every read goes through :func:`org_query`, which refuses SQL that does not filter on ``{org_id:UUID}``.
 """
 
@@ -14,9 +17,12 @@ import contextlib
 import logging
 import multiprocessing
 import re
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, TypeVar
 from uuid import UUID
 
@@ -76,19 +82,133 @@ def _close(url: str) -> None:
         client.close()
 
 
+# -- one engine served to the workers of one `ibex proxy --workers N` run -------------------------------------------
+
+_REMOTE_CALLS: dict[str, Callable[..., Any]] = {"command": _command, "insert": _insert, "query": _query}
+
+
+@dataclass(frozen=True)
+class EngineAddress:
+    """Where a worker reaches the engine of its supervisor: a Unix socket and the key that authenticates to it."""
+
+    path: str
+    authkey: bytes = field(repr=False)
+
+
+class EngineUnavailable(OSError):
+    """The engine's server cannot be reached, or it could not reach the engine (an outage, as for a server)."""
+
+
+class EngineRejected(Exception):
+    """The engine refused the statement (the server side's exception, by name and message)."""
+
+
+class EngineServer:
+    """Serve the embedded engine of ``url``, opened in this process, to the workers of one run.
+
+    One thread per connected worker; calls run one at a time (chdb is one engine). The process serving it runs no
+    event loop that the engine's hold on the GIL could stall (``ibex proxy``'s supervisor). Only the calls of
+    :data:`_REMOTE_CALLS` are served, and only to peers that know ``authkey`` (multiprocessing's HMAC challenge)."""
+
+    def __init__(self, url: str, address: EngineAddress) -> None:
+        self._url = url
+        self._listener = Listener(address.path, family="AF_UNIX", authkey=address.authkey)
+        self._lock = threading.Lock()
+        self._accepting = threading.Thread(target=self._accept, name="clickhouse-engine-server", daemon=True)
+        self._closed = False
+
+    def start(self) -> None:
+        self._accepting.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except (OSError, EOFError, AuthenticationError) as e:  # closed, or a peer that failed the challenge
+                if self._closed:
+                    return
+                log.warning("clickhouse engine server refused a connection: %s", type(e).__name__)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="clickhouse-engine-call", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        from clickhouse_connect.driver.exceptions import OperationalError
+
+        with conn:
+            while True:
+                try:
+                    name, args = conn.recv()
+                except (EOFError, OSError):
+                    return  # the worker closed its end (or exited)
+                fn = _REMOTE_CALLS.get(name)
+                reply: tuple[str, Any]
+                if fn is None:
+                    reply = ("rejected", f"unknown call {name!r}")
+                else:
+                    try:
+                        with self._lock:
+                            reply = ("ok", fn(self._url, *args))
+                    except (OperationalError, OSError, TimeoutError) as e:
+                        reply = ("unavailable", type(e).__name__)
+                    except Exception as e:
+                        reply = ("rejected", f"{type(e).__name__}: {str(e)[:500]}")
+                try:
+                    conn.send(reply)
+                except (OSError, ValueError):
+                    return
+
+    def close(self) -> None:
+        """Stop accepting and close the engine (after the workers exited: their last flushes come through here)."""
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            _close(self._url)
+
+
+class _EngineClient:
+    """A worker's connection to :class:`EngineServer`, used from its one ClickHouse thread (so never shared)."""
+
+    def __init__(self, address: EngineAddress) -> None:
+        self._address = address
+        self._conn: Connection | None = None
+
+    def call(self, name: str, *args: Any) -> Any:
+        try:
+            if self._conn is None:
+                self._conn = Client(self._address.path, family="AF_UNIX", authkey=self._address.authkey)
+            self._conn.send((name, args))
+            status, value = self._conn.recv()
+        except (OSError, EOFError) as e:
+            self.close()
+            raise EngineUnavailable(f"engine server unreachable: {type(e).__name__}") from e
+        if status == "ok":
+            return value
+        if status == "unavailable":
+            raise EngineUnavailable(value)
+        raise EngineRejected(value)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None
+
+
 class ClickHouse:
     """Async facade over a clickhouse-connect client (see the module docstring for where calls run).
 
     An embedded engine process that dies (killed, out of memory) fails the calls it had as an outage and is
     replaced: the next call starts a new engine process on the same data path, so analytics come back by
-    themselves, as they do when a ClickHouse server returns."""
+    themselves, as they do when a ClickHouse server returns. With ``engine``, calls go to the engine another
+    process serves (:class:`EngineServer`) instead, from one thread of this process."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, engine: EngineAddress | None = None) -> None:
         self._url = url
+        self._remote = _EngineClient(engine) if engine is not None else None
         self._executor: Executor = self._new_executor()
 
     def _new_executor(self) -> Executor:
-        if self._url.startswith("chdb:"):
+        if self._url.startswith("chdb:") and self._remote is None:
             return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="clickhouse")
 
@@ -107,6 +227,10 @@ class ClickHouse:
         loop = asyncio.get_running_loop()
         executor = self._executor
         try:
+            if self._remote is not None:
+                name = next(n for n, f in _REMOTE_CALLS.items() if f is fn)
+                result: T = await loop.run_in_executor(executor, self._remote.call, name, *args)
+                return result
             return await loop.run_in_executor(executor, fn, self._url, *args)
         except BrokenExecutor as e:
             self._replace(executor)
@@ -136,6 +260,10 @@ class ClickHouse:
         await self._call(_command, "SELECT 1")
 
     async def close(self) -> None:
+        loop = asyncio.get_running_loop()
         with contextlib.suppress(Exception):
-            await asyncio.get_running_loop().run_in_executor(self._executor, _close, self._url)
+            if self._remote is not None:  # the engine is the server's to close
+                await loop.run_in_executor(self._executor, self._remote.close)
+            else:
+                await loop.run_in_executor(self._executor, _close, self._url)
         self._executor.shutdown(wait=True)
