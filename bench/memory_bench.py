@@ -186,6 +186,7 @@ async def copy_rows(
             await conn.copy_records_to_table(
                 "memories",
                 records=records[first : first + 5000],
+                timeout=900,  # HNSW upkeep and the postings triggers: minutes per batch at 100k on 2 cores
                 columns=[
                     "id",
                     "org_id",

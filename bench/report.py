@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,8 +83,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_benchmarks(args: argparse.Namespace, json_dir: Path, only: list[str]) -> dict[str, Any]:
-    """Each benchmark alone, its output kept; returns name -> {"command", "seconds", "exit", "figures"}."""
+def run_benchmarks(args: argparse.Namespace, json_dir: Path, only: list[str], commit: str) -> dict[str, Any]:
+    """Each benchmark alone, its output kept; returns name -> {"command", "seconds", "exit", "figures", ...}."""
     results: dict[str, Any] = {}
     for name, command in bench_commands(args, json_dir).items():
         if only and name not in only:
@@ -97,6 +98,7 @@ def run_benchmarks(args: argparse.Namespace, json_dir: Path, only: list[str]) ->
             "command": " ".join(Path(c).name if c == sys.executable else c for c in command),
             "seconds": round(time.monotonic() - started, 1),
             "exit": done.returncode,
+            "commit": commit,
             "figures": figures,
             "output": done.stdout[-20_000:],
         }
@@ -278,6 +280,9 @@ def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, 
         out.append(f"| {r['target']} | {r['goal']:g} {r['unit']} | {measured} | {met} | {r['note']} |")
     out += ["", "## Runs", ""]
     for name, res in results.items():
+        if res.get("earlier"):
+            out.append(f"- **{name}**: kept from an earlier run of this report ({res['earlier']}, commit "
+                       f"`{res.get('commit', '?')[:12]}`):")  # fmt: skip
         figures = res.get("figures") or {}
         load = figures.get("load_before"), figures.get("load_after")
         durability = figures.get("durability", {})
@@ -326,24 +331,43 @@ def _durability(settings: dict[str, str]) -> str:
     return ", ".join(f"{k} = {v}" for k, v in settings.items())
 
 
+def machine_paths_hidden(text: str, tmp: str) -> str:
+    """The report is committed: the paths of this machine in commands, outputs and tracebacks become names."""
+    for path, name in ((tmp, "<tmp>"), (str(REPO), "<repo>"), (sys.base_prefix, "<python>"), (sys.prefix, "<venv>"),
+                       (str(Path.home()), "~")):  # fmt: skip
+        text = text.replace(path, name)
+    return re.sub(r"/tmp/ibex-report-[A-Za-z0-9_]+", "<tmp>", text)  # also in the runs a partial report kept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer requests (a smoke run)")
     parser.add_argument("--litellm", default=None, help="path of a `litellm` executable to measure side by side")
     parser.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
-    parser.add_argument("--only", default="", help="comma-separated subset: proxy, memory, context, rss")
+    parser.add_argument(
+        "--only", default="",
+        help="comma-separated subset (proxy, memory, context, rss); the others are kept from the same day's report",
+    )  # fmt: skip
     args = parser.parse_args()
     env = environment(args)
+    only = [n for n in args.only.split(",") if n]
     with tempfile.TemporaryDirectory(prefix="ibex-report-") as tmp:
-        results = run_benchmarks(args, Path(tmp), [n for n in args.only.split(",") if n])
+        results = run_benchmarks(args, Path(tmp), only, env["commit"])
+        scratch = tmp
     env["load_after"] = list(os.getloadavg())
-    rows = target_rows(results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     prefix = args.out_dir / env["date"][:10]
+    if only and prefix.with_suffix(".json").exists():  # a partial run: the rest comes from the day's report
+        earlier = json.loads(prefix.with_suffix(".json").read_text())
+        for name, res in earlier["benchmarks"].items():
+            if name not in results:
+                results[name] = {**res, "earlier": res.get("earlier") or earlier["environment"]["date"]}
+    rows = target_rows(results)
     images = plots(results, prefix)
     document = {"environment": env, "targets": rows, "benchmarks": results}
-    prefix.with_suffix(".json").write_text(json.dumps(document, indent=1, default=str) + "\n")
-    prefix.with_suffix(".md").write_text(markdown(env, results, rows, images))
+    text = json.dumps(document, indent=1, default=str) + "\n"
+    prefix.with_suffix(".json").write_text(machine_paths_hidden(text, scratch))
+    prefix.with_suffix(".md").write_text(machine_paths_hidden(markdown(env, results, rows, images), scratch))
     print(f"wrote {prefix.with_suffix('.md')} and {prefix.with_suffix('.json')}", flush=True)
     failed = [name for name, res in results.items() if res["exit"] != 0]
     if failed:

@@ -84,10 +84,14 @@ def status(pid: int) -> tuple[int, int]:
 
 
 def processes(stack: Stack) -> dict[str, int]:
-    """Label -> pid of every stage process and of each stage's chdb engine."""
+    """Label -> pid of every stage process, of each stage's chdb engine and of each proxy worker (a proxy with
+    several workers is a supervisor, its workers and the engine it serves them)."""
     out = {}
     for stage in stack.stages:
-        out[stage.name] = stage.pid
+        workers = stage.children("--workers 1")
+        out[f"{stage.name} supervisor" if workers else stage.name] = stage.pid
+        for i, pid in enumerate(workers):
+            out[f"{stage.name} worker {i + 1}"] = pid
         for i, pid in enumerate(stage.children("multiprocessing.spawn")):
             out[f"{stage.name} chdb engine{'' if i == 0 else f' {i + 1}'}"] = pid
     return out

@@ -99,3 +99,12 @@ def test_plots_and_markdown_are_written(tmp_path: Path) -> None:
     assert "Postgres synchronous_commit = on, fsync = on" in text
     assert "- 12.5 % gate (proxy/generation.py)" in text
     assert "![Throughput vs workers](2026-12-02-proxy-workers.png)" in text
+
+
+def test_the_machine_s_paths_do_not_reach_the_committed_report() -> None:
+    import sys
+
+    from bench.report import REPO, machine_paths_hidden
+
+    text = f"{REPO}/bench/x.py {sys.base_prefix}/lib/a.py /tmp/ibex-report-ab_12/proxy.json /tmp/now/y.json"
+    assert machine_paths_hidden(text, "/tmp/now") == "<repo>/bench/x.py <python>/lib/a.py <tmp>/proxy.json <tmp>/y.json"
