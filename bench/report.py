@@ -336,7 +336,7 @@ def machine_paths_hidden(text: str, tmp: str) -> str:
     for path, name in ((tmp, "<tmp>"), (str(REPO), "<repo>"), (sys.base_prefix, "<python>"), (sys.prefix, "<venv>"),
                        (str(Path.home()), "~")):  # fmt: skip
         text = text.replace(path, name)
-    return re.sub(r"/tmp/ibex-report-[A-Za-z0-9_]+", "<tmp>", text)  # also in the runs a partial report kept
+    return re.sub(r"/tmp/ibex-[A-Za-z0-9_-]+", "<tmp>", text)  # scratch folders, also of the runs a report kept
 
 
 def main() -> None:

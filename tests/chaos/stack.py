@@ -244,8 +244,10 @@ def build_stack(
     proxies, urls = [], []
     for i in range(3):
         port = free_port()
+        # One process per replica: the faults target a replica's own processes (its chdb engine among them).
         proxy = StageProcess(
-            f"proxy-{i}", ["proxy", "--port", str(port)], {**base, **analytics(f"proxy-{i}")}, logs / f"proxy-{i}.log",
+            f"proxy-{i}", ["proxy", "--workers", "1", "--port", str(port)], {**base, **analytics(f"proxy-{i}")},
+            logs / f"proxy-{i}.log",
             r"ibex proxy ready: http://",
         )  # fmt: skip
         proxies.append(proxy)

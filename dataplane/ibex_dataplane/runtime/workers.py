@@ -14,9 +14,8 @@ connections over them. It prints the ``ibex proxy ready`` line once, after every
 - **Metrics**: workers run prometheus_client's multiprocess mode in a per-run folder (``PROMETHEUS_MULTIPROC_DIR``,
   set before they start); the supervisor marks each exited worker dead there (its live gauges disappear; its
   counts stay in the sums).
-- **Embedded ClickHouse** (``chdb://``): a data path opens in one process only, so the supervisor runs the engine
-  (in a child process of its own, replaced if it dies) and serves it to the workers over a Unix socket in the
-  per-run folder (mode 0700), authenticated with a random key
+- **Embedded ClickHouse** (``chdb://``): a data path opens in one process only, so the supervisor opens it and
+  serves it to the workers over a Unix socket in the per-run folder (mode 0700), authenticated with a random key
   (:class:`~ibex_dataplane.store.clickhouse.EngineServer`). With a ClickHouse server each worker has its own client.
 - **Orphans**: each worker holds the read end of a pipe the supervisor keeps open; if the supervisor is killed,
   the pipe closes and the worker stops gracefully on its own.

@@ -4,10 +4,10 @@ The client is synchronous, so calls never run on the event loop. Over HTTP they 
 socket I/O releases the GIL). The embedded chdb engine, however, holds the GIL for milliseconds at a time, which
 would stall every request of the process, so for ``chdb://`` URLs the engine lives in a dedicated child process
 and calls are shipped to it (rows and results are plain picklable values). A data path opens in one process only,
-so the workers of ``ibex proxy --workers N`` do not open it: the supervisor runs the one engine (in a child process,
-as above) and serves it to them over a Unix socket (:class:`EngineServer`, authenticated with a per-run key); their
-clients are ``ClickHouse(url, engine=EngineAddress(...))``. ClickHouse has no row-level security: every read goes
-through :func:`org_query`, which refuses SQL that does not filter on ``{org_id:UUID}``.
+so the workers of ``ibex proxy --workers N`` do not open it: the supervisor serves its one engine to them over a
+Unix socket (:class:`EngineServer`, authenticated with a per-run key) and their clients are
+``ClickHouse(url, engine=EngineAddress(...))``. ClickHouse has no row-level security:
+every read goes through :func:`org_query`, which refuses SQL that does not filter on ``{org_id:UUID}``.
 """
 
 from __future__ import annotations
@@ -106,17 +106,14 @@ class EngineRejected(Exception):
 class EngineServer:
     """Serve the embedded engine of ``url``, opened in this process, to the workers of one run.
 
-    One thread per connected worker; calls run one at a time (chdb is one engine), in a child process of this one,
-    as a single proxy runs its engine: an engine that dies (killed, out of memory) fails the calls it had as an
-    outage and the next call starts a new one on the same data path, while the supervisor and its workers go on.
-    Only the calls of :data:`_REMOTE_CALLS` are served, and only to peers that know ``authkey`` (multiprocessing's
-    HMAC challenge)."""
+    One thread per connected worker; calls run one at a time (chdb is one engine). The process serving it runs no
+    event loop that the engine's hold on the GIL could stall (``ibex proxy``'s supervisor). Only the calls of
+    :data:`_REMOTE_CALLS` are served, and only to peers that know ``authkey`` (multiprocessing's HMAC challenge)."""
 
     def __init__(self, url: str, address: EngineAddress) -> None:
         self._url = url
         self._listener = Listener(address.path, family="AF_UNIX", authkey=address.authkey)
         self._lock = threading.Lock()
-        self._engine = _engine_process()
         self._accepting = threading.Thread(target=self._accept, name="clickhouse-engine-server", daemon=True)
         self._closed = False
 
@@ -150,9 +147,7 @@ class EngineServer:
                 else:
                     try:
                         with self._lock:
-                            reply = ("ok", self._run(fn, *args))
-                    except BrokenExecutor as e:
-                        reply = ("unavailable", type(e).__name__)
+                            reply = ("ok", fn(self._url, *args))
                     except (OperationalError, OSError, TimeoutError) as e:
                         reply = ("unavailable", type(e).__name__)
                     except Exception as e:
@@ -162,24 +157,12 @@ class EngineServer:
                 except (OSError, ValueError):
                     return
 
-    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One call in the engine process (under the lock); a dead engine is replaced for the next call."""
-        engine = self._engine
-        try:
-            return engine.submit(fn, self._url, *args).result()
-        except BrokenExecutor:
-            log.warning("clickhouse engine process died; starting a new one on the next call")
-            self._engine = _engine_process()
-            engine.shutdown(wait=False)
-            raise
-
     def close(self) -> None:
         """Stop accepting and close the engine (after the workers exited: their last flushes come through here)."""
         self._closed = True
         self._listener.close()
-        with self._lock, contextlib.suppress(Exception):
-            self._engine.submit(_close, self._url).result()
-        self._engine.shutdown(wait=True)
+        with self._lock:
+            _close(self._url)
 
 
 class _EngineClient:
@@ -211,11 +194,6 @@ class _EngineClient:
             self._conn = None
 
 
-def _engine_process() -> ProcessPoolExecutor:
-    """The child process an embedded engine runs in (spawned: the parent may hold threads and sockets)."""
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-
-
 class ClickHouse:
     """Async facade over a clickhouse-connect client (see the module docstring for where calls run).
 
@@ -231,7 +209,7 @@ class ClickHouse:
 
     def _new_executor(self) -> Executor:
         if self._url.startswith("chdb:") and self._remote is None:
-            return _engine_process()
+            return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="clickhouse")
 
     def _replace(self, broken: Executor) -> None:
