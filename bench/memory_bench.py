@@ -44,6 +44,7 @@ from ibex_dataplane.memory.app import METRICS  # noqa: E402
 from ibex_dataplane.memory.models import Tenant as MemoryTenant  # noqa: E402
 from ibex_dataplane.memory.refinery import content_hash  # noqa: E402
 from ibex_dataplane.memory.repository import MemoryRepository  # noqa: E402
+from ibex_dataplane.memory.tuning import SearchTuning  # noqa: E402
 from ibex_dataplane.runtime.stores import Stores  # noqa: E402
 from tests.support.proxy import MemoryDeps, running_proxy  # noqa: E402
 from tests.support.tenants import Tenant  # noqa: E402
@@ -234,15 +235,37 @@ async def ann_recall(stores: Stores, tenant: Tenant, vectors: np.ndarray[Any, An
 
 
 async def direct_search(stores: Stores, tenant: Tenant, vectors: np.ndarray[Any, Any]) -> list[float]:
-    """The hybrid SQL path alone (one tenant transaction: settings, ANN + full text, hydration), no HTTP, no model."""
+    """The three legs' statements alone, concurrently as search runs them (scoring, hits, hydration, each in its
+    tenant transaction with its planner settings), with the production pools; no HTTP, no model, no ranking."""
     repo = MemoryRepository(stores.db)
     scope = MemoryTenant(tenant.org_id, tenant.agents["alpha"])
+    t = SearchTuning()
+    text = "what does the user think of dark mode in q3"
+    encoder = OnnxSpladeEncoder.from_installed_packages()
+    try:
+        (sparse,) = await encoder.encode([text])
+    finally:
+        encoder.close()
+
+    async def ready(value: Any) -> Any:
+        return value
+
     out = []
     for i in range(200):
         started = time.perf_counter()
-        await repo.search(
-            scope, vector=vectors[i % len(vectors)], text="what does the user think of dark mode in q3", at=None,
-            ann_candidates=40, text_candidates=20, min_similarity=0.7, min_confidence=None, labels=[],
+        await asyncio.gather(
+            repo.search_vector(
+                scope, vector=ready(vectors[i % len(vectors)]), at=None, candidates=t.ann_candidates,
+                min_similarity=t.min_similarity, min_confidence=None, labels=[],
+            ),
+            repo.search_text(
+                scope, text=text, at=None, candidates=t.text_candidates, min_confidence=None, labels=[],
+                term_rows=t.text_term_rows, population=t.text_population,
+            ),
+            repo.search_sparse(
+                scope, vector=ready(sparse), candidates=t.sparse_candidates, min_confidence=None, labels=[],
+                term_rows=t.sparse_term_rows,
+            ),
         )  # fmt: skip
         out.append(time.perf_counter() - started)
     return out
@@ -362,7 +385,7 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
                 report(line)
                 report(
                     summary(
-                        f"  repository.search alone at {args.big // 1000}k",
+                        f"  the three legs' statements alone at {args.big // 1000}k",
                         await direct_search(stores, tenant, qvecs),
                     )
                 )
