@@ -149,7 +149,7 @@ async def measure(
     ``profiled``: target name -> pid of the process to sample during its throughput phase (``--profile``)."""
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
     latencies: dict[str, list[float]] = {name: [] for name in targets}
-    rps: dict[str, float] = {}
+    rps: dict[str, tuple[float, int]] = {}
     async with aiohttp.ClientSession(connector=connector) as http:
         for url, headers in targets.values():  # warm up every path
             await timed(http, url, headers, 300)

@@ -361,7 +361,10 @@ def main() -> None:
         earlier = json.loads(prefix.with_suffix(".json").read_text())
         for name, res in earlier["benchmarks"].items():
             if name not in results:
-                results[name] = {**res, "earlier": res.get("earlier") or earlier["environment"]["date"]}
+                kept = {**res, "earlier": res.get("earlier") or earlier["environment"]["date"]}
+                if not res.get("earlier") and "commit" not in res:  # run by that report, at its commit
+                    kept["commit"] = earlier["environment"].get("commit", "?")
+                results[name] = kept
     rows = target_rows(results)
     images = plots(results, prefix)
     document = {"environment": env, "targets": rows, "benchmarks": results}
