@@ -100,7 +100,9 @@ async def settled_turn(stores: Stores, tenants: TenantFactory, capture: CaptureR
     hold = await budgets.hold(t.org_id, t.agents["alpha"], "srv-1", Decimal("0.10"), policy)
     settlement = budgets.settlement(hold, Decimal("0.03"), model="echo", prompt_tokens=7, completion_tokens=5)
     turn = Turn("conv-9", "req-9", ["d1", "d2"], "c1", 7, 5, 12.5, capture)
-    written = await SessionService(stores.db).settle_and_record_turn(settlement, turn)
+    [written] = await SessionService(stores.db).settle_and_record_turns(
+        t.org_id, t.agents["alpha"], [(settlement, turn)]
+    )
     assert stores.admin_pool is not None
     async with stores.admin_pool.acquire() as conn:
         held = await conn.fetchrow("SELECT status, actual_usd FROM budget_holds WHERE id = $1", hold.id)

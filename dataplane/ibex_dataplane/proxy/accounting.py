@@ -33,7 +33,8 @@ from ibex_dataplane.proxy.metrics import ProxyMetrics
 from ibex_dataplane.proxy.ratelimit import DeferredCorrections, RateLimiter, RateLimits
 from ibex_dataplane.proxy.repository import DirectiveRow
 from ibex_dataplane.proxy.sessions import SessionService, Turn
-from ibex_dataplane.shared.budget import BudgetHold, BudgetService, Settlement
+from ibex_dataplane.proxy.settles import AnswerSettles
+from ibex_dataplane.shared.budget import BudgetHold, BudgetService
 from ibex_dataplane.shared.idempotency import Claim
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class Accounting:
         self.background = background
         self._rate_limiter = rate_limiter
         self.corrections = DeferredCorrections(rate_limiter, on_failure=self._corrections_lost)
+        self._answers = AnswerSettles(sessions, budgets, background.spawn, self._checkpoint_failed)
 
     def _corrections_lost(self, requests: int) -> None:
         if self._metrics is not None:
@@ -191,8 +193,9 @@ class Accounting:
         answer: str | None = None,
     ) -> None:
         """Settle or release the hold, correct the TPM charge (gathered with other requests' corrections for a few
-        milliseconds, :class:`DeferredCorrections`), checkpoint the session and, for a complete answer (``answer``
-        is its text), queue the turn's capture; never blocks the answer."""
+        milliseconds, :class:`DeferredCorrections`), checkpoint the session (with the settle, gathered with the
+        agent's other answers, :class:`AnswerSettles`) and, for a complete answer (``answer`` is its text), queue the
+        turn's capture; never blocks the answer."""
         caller = state.require_caller()
         policy, agent = state.require_agent()
         plan.usage, plan.served_by = usage, served_by
@@ -229,7 +232,7 @@ class Accounting:
                 (time.perf_counter() - state.started) * 1000, capture,
             )  # fmt: skip
         if settlement is not None and turn is not None:
-            self.background.spawn("settle", self._settle_and_checkpoint(settlement, turn))
+            self._answers.add(settlement, turn)
         elif settlement is not None:
             self.background.spawn("settle", self._budgets.settle_again(settlement))
         elif turn is not None:
@@ -239,22 +242,6 @@ class Accounting:
                 prompt_tokens=turn.prompt_tokens, completion_tokens=turn.completion_tokens,
                 latency_ms=turn.latency_ms, capture=turn.capture,
             ))  # fmt: skip
-
-    async def _settle_and_checkpoint(self, settlement: Settlement, turn: Turn) -> None:
-        """Settle and checkpoint in one statement. When the statement fails it is unknown whether it committed:
-        the settle is sent again (idempotent, retried until Postgres is back, so no money is lost); the checkpoint
-        is not (it is not idempotent) and counts as failed, as a lone checkpoint does when Postgres is down."""
-        try:
-            written = await self._sessions.settle_and_record_turn(settlement, turn)
-        except Exception as e:
-            self._checkpoint_failed()
-            log.warning("settle with checkpoint failed (%s); settling alone", type(e).__name__)
-            await self._budgets.settle_again(settlement)
-            return
-        self._budgets.settled(settlement, written.hold_before)
-        if written.checkpoint_error is not None:
-            self._checkpoint_failed()
-            log.warning("session checkpoint failed (SQLSTATE %s); the settle stands", written.checkpoint_error)
 
     def _checkpoint_failed(self) -> None:
         if self._metrics is not None:

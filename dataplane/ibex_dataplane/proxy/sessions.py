@@ -13,16 +13,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from uuid import UUID
 
+import orjson
+
 from ibex_dataplane.proxy.capture import CAPTURE_TTL, CaptureRequest
 from ibex_dataplane.shared.budget import Settlement
 from ibex_dataplane.shared.budget_repository import HoldStatus
 from ibex_dataplane.store.postgres import Database
 
 _TURN = "$3, $4, $5, $6, $7, $8, $9, $10, $11, $12::jsonb, $13, $14"
-_SETTLE_TURN = (
-    "SELECT hold_status, turn, checkpoint_error FROM ibex_answer_settle_as($1, $2, $3, $4, $5, $6, $7,"
-    " $8, $9, $10, $11, $12, $13, $14, $15::jsonb, $16, $17)"
-)
+_SETTLE_TURNS = "SELECT hold_status, turn, checkpoint_error FROM ibex_answer_settle_batch_as($1, $2, $3::jsonb, $4)"
 
 
 @dataclass(frozen=True)
@@ -38,22 +37,33 @@ class Turn:
     latency_ms: float
     capture: CaptureRequest | None = None
 
-    def args(self, *, tokens: bool = True) -> tuple[object, ...]:
-        """The checkpoint's statement arguments; without ``tokens`` when the statement has them already (the
-        settle's usage is the turn's)."""
+    def args(self) -> tuple[object, ...]:
+        """The checkpoint's statement arguments."""
         c = self.capture
-        counts = (self.prompt_tokens, self.completion_tokens) if tokens else ()
         return (
-            self.external_id, self.request_id, list(self.message_digests), self.completion_digest, *counts,
-            self.latency_ms, c.mode if c else None, c.model if c else None, c.payload() if c else None,
-            c.observed_at if c else None, CAPTURE_TTL,
+            self.external_id, self.request_id, list(self.message_digests), self.completion_digest, self.prompt_tokens,
+            self.completion_tokens, self.latency_ms, c.mode if c else None, c.model if c else None,
+            c.payload() if c else None, c.observed_at if c else None, CAPTURE_TTL,
         )  # fmt: skip
+
+
+def _answer_item(settlement: Settlement, turn: Turn) -> dict[str, object]:
+    """One answer as ``ibex_answer_settle_batch_as`` reads it (migration 0034): the settle's usage is the turn's."""
+    c = turn.capture
+    return {
+        "hold": str(settlement.hold.id), "actual": f"{settlement.actual_usd:f}", "model": settlement.model,
+        "prompt_tokens": settlement.prompt_tokens, "completion_tokens": settlement.completion_tokens,
+        "session": turn.external_id, "request_id": turn.request_id, "messages": list(turn.message_digests),
+        "completion": turn.completion_digest, "latency_ms": turn.latency_ms, "mode": c.mode if c else None,
+        "capture_model": c.model if c else None, "capture": orjson.Fragment(c.payload()) if c else None,
+        "observed_at": c.observed_at.isoformat() if c and c.observed_at else None,
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
 class SettledTurn:
-    """What :meth:`SessionService.settle_and_record_turn` wrote: the hold's status before (None: no such hold),
-    and the turn number, or the SQLSTATE of the checkpoint that failed while the settle stood."""
+    """What :meth:`SessionService.settle_and_record_turns` wrote for one answer: the hold's status before (None:
+    no such hold), and the turn number, or the SQLSTATE of the checkpoint that failed while the settle stood."""
 
     hold_before: HoldStatus | None
     turn: int | None
@@ -92,19 +102,27 @@ class SessionService:
         number: int = row["turn"]
         return number
 
-    async def settle_and_record_turn(self, settlement: Settlement, turn: Turn) -> SettledTurn:
-        """Settle the answer's budget hold and checkpoint its turn in one statement (``ibex_answer_settle_as``):
-        one transaction and one commit instead of two. A checkpoint that fails does not undo the settle (it runs in
-        its own subtransaction); an error of the statement itself means neither may have been written, and since
-        settling is idempotent and a checkpoint is not, the caller settles again and leaves the checkpoint."""
-        hold = settlement.hold
-        row = await self._db.call_as(
-            hold.org_id, hold.agent_id, _SETTLE_TURN, hold.id, settlement.actual_usd, settlement.model,
-            settlement.prompt_tokens, settlement.completion_tokens, *turn.args(tokens=False),
-        )  # fmt: skip
-        assert row is not None
-        before = row["hold_status"]
-        return SettledTurn(HoldStatus(before) if before is not None else None, row["turn"], row["checkpoint_error"])
+    async def settle_and_record_turns(
+        self, org_id: UUID, agent_id: UUID, answers: Sequence[tuple[Settlement, Turn]]
+    ) -> list[SettledTurn]:
+        """Settle the budget holds of answers of one agent and checkpoint their turns, in one statement
+        (``ibex_answer_settle_batch_as``): one transaction, one commit, and the budget rows moved once by the sums.
+        Returns what was written for each answer, in the order given.
+
+        A checkpoint that fails does not undo its settle (each runs in its own subtransaction); an error of the
+        statement itself means none of it may have been written, and since settling is idempotent and a checkpoint
+        is not, the caller settles each answer again and leaves the checkpoints. The statement takes the turns in
+        order of session id (a session's turns keep their order), so that two batches of one agent written at the
+        same time (several workers) lock session rows in the same order and cannot deadlock."""
+        order = sorted(range(len(answers)), key=lambda i: answers[i][1].external_id)
+        items = [_answer_item(*answers[i]) for i in order]
+        rows = await self._db.call_as_rows(org_id, agent_id, _SETTLE_TURNS, orjson.dumps(items).decode(), CAPTURE_TTL)
+        written = {
+            i: SettledTurn(HoldStatus(r["hold_status"]) if r["hold_status"] is not None else None, r["turn"],
+                           r["checkpoint_error"])
+            for i, r in zip(order, rows, strict=True)
+        }  # fmt: skip
+        return [written[i] for i in range(len(answers))]
 
     async def terminate(self, org_id: UUID, agent_id: UUID, external_id: str) -> bool:
         """Close the session; False when the agent has no such session (or it is already closed)."""

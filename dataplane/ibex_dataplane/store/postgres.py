@@ -137,6 +137,16 @@ class Database:
         everything they touch; the statement is its own transaction. For the hot path, where the three round
         trips of an explicit transaction (BEGIN + scope, statement, COMMIT) are too many.
         """
+        rows = await self._call_as(org_id, agent_id, sql, args)
+        return rows[0] if rows else None
+
+    async def call_as_rows(self, org_id: UUID, agent_id: UUID | None, sql: str, *args: object) -> list[asyncpg.Record]:
+        """:meth:`call_as` for a ``*_as`` function that returns a set: every row, in order."""
+        return await self._call_as(org_id, agent_id, sql, args)
+
+    async def _call_as(
+        self, org_id: UUID, agent_id: UUID | None, sql: str, args: tuple[object, ...]
+    ) -> list[asyncpg.Record]:
         if not isinstance(org_id, UUID) or (agent_id is not None and not isinstance(agent_id, UUID)):
             raise TypeError("call_as needs UUIDs")
         if "$1" not in sql or "$2" not in sql:
@@ -144,11 +154,11 @@ class Database:
         with postgres_errors():
             async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
                 try:
-                    row: asyncpg.Record | None = await conn.fetchrow(sql, org_id, agent_id, *args)
+                    rows: list[asyncpg.Record] = await conn.fetch(sql, org_id, agent_id, *args)
                 except asyncpg.InternalClientError:
                     conn.terminate()  # the pool replaces a closed connection instead of handing this one out
                     raise
-                return row
+                return rows
 
     @asynccontextmanager
     async def unscoped(self) -> AsyncIterator[asyncpg.Connection]:

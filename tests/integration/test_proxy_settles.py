@@ -1,0 +1,131 @@
+"""Answers settled and checkpointed in batches per agent (migration 0034, ``proxy/settles.py``): every hold settled
+once, the budget rows moved by the batch's sums, turns numbered in order, a failing checkpoint leaving the settles
+standing, and one statement in flight per agent with what arrives meanwhile going in the next one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+from ibex_dataplane.proxy.capture import CaptureRequest
+from ibex_dataplane.proxy.sessions import SessionService, Turn
+from ibex_dataplane.proxy.settles import AnswerSettles
+from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.shared.budget import BudgetPolicy, BudgetService, Enforcement, Settlement
+from ibex_dataplane.shared.budget_repository import HoldStatus
+from tests.support.tenants import Tenant, TenantFactory
+
+POLICY = BudgetPolicy(org_limit_usd=Decimal("10.00"), agent_limit_usd=Decimal("5.00"), enforcement=Enforcement.HARD_CAP)
+
+
+async def answers(
+    stores: Stores, t: Tenant, sessions: list[str], *, capture: CaptureRequest | None = None
+) -> list[tuple[Settlement, Turn]]:
+    """One held answer per entry of ``sessions`` (0.10 held, 0.01 * (i + 1) actual), in that order."""
+    budgets = BudgetService(stores.db)
+    out = []
+    for i, session in enumerate(sessions):
+        hold = await budgets.hold(t.org_id, t.agents["alpha"], f"srv-{i}", Decimal("0.10"), POLICY)
+        settlement = budgets.settlement(hold, Decimal("0.01") * (i + 1), model="echo", prompt_tokens=3,
+                                        completion_tokens=2)  # fmt: skip
+        out.append((settlement, Turn(session, f"req-{i}", [f"m{i}"], f"c{i}", 3, 2, 1.5, capture)))
+    return out
+
+
+async def period(stores: Stores, org_id: UUID, scope_id: UUID) -> tuple[Decimal, Decimal]:
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        row = await conn.fetchrow(
+            "SELECT spent_usd, held_usd FROM budget_periods WHERE org_id = $1 AND scope_id = $2", org_id, scope_id
+        )
+    return row["spent_usd"], row["held_usd"]
+
+
+async def transactions(stores: Stores, org_id: UUID) -> int:
+    """How many transactions wrote the org's ledger rows (rows written by one statement share an xmin)."""
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        n: int = await conn.fetchval("SELECT count(DISTINCT xmin::text) FROM budget_ledger WHERE org_id = $1", org_id)
+    return n
+
+
+async def test_a_batch_settles_every_hold_and_numbers_each_sessions_turns(
+    tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(directive=None)
+    agent = t.agents["alpha"]
+    batch = await answers(stores, t, ["b", "a", "b", "a", "b"])
+    assert await period(stores, t.org_id, agent) == (Decimal(0), Decimal("0.50"))
+    written = await SessionService(stores.db).settle_and_record_turns(t.org_id, agent, batch)
+    # In the order given, although the statement takes them by session.
+    assert [(w.hold_before, w.turn, w.checkpoint_error) for w in written] == [
+        (HoldStatus.HELD, 1, None), (HoldStatus.HELD, 1, None), (HoldStatus.HELD, 2, None),
+        (HoldStatus.HELD, 2, None), (HoldStatus.HELD, 3, None),
+    ]  # fmt: skip
+    spent = Decimal("0.15")  # 0.01 + 0.02 + 0.03 + 0.04 + 0.05
+    assert await period(stores, t.org_id, agent) == (spent, Decimal(0))
+    assert await period(stores, t.org_id, t.org_id) == (spent, Decimal(0))
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        turns = await conn.fetch(
+            "SELECT s.external_id, c.turn, c.request_id FROM session_checkpoints c"
+            " JOIN sessions s ON s.id = c.session_id WHERE c.org_id = $1 ORDER BY s.external_id, c.turn",
+            t.org_id,
+        )
+    assert [tuple(r) for r in turns] == [
+        ("a", 1, "req-1"), ("a", 2, "req-3"), ("b", 1, "req-0"), ("b", 2, "req-2"), ("b", 3, "req-4"),
+    ]  # fmt: skip
+    # Settling again changes no money (the checkpoints are not idempotent: that is the caller's business).
+    again = await SessionService(stores.db).settle_and_record_turns(t.org_id, agent, batch[:2])
+    assert [w.hold_before for w in again] == [HoldStatus.SETTLED, HoldStatus.SETTLED]
+    assert await period(stores, t.org_id, agent) == (spent, Decimal(0))
+    assert await transactions(stores, t.org_id) == 1
+
+
+async def test_a_failing_checkpoint_in_a_batch_leaves_every_settle_standing(
+    tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(directive=None)
+    agent = t.agents["alpha"]
+    good = await answers(stores, t, ["s", "s"])
+    broken = CaptureRequest("bogus", None, [{"role": "user", "content": "hi"}], None)  # the queue's CHECK refuses it
+    settlement, turn = good[1]
+    batch = [good[0], (settlement, Turn(turn.external_id, turn.request_id, turn.message_digests,
+                                        turn.completion_digest, 3, 2, 1.5, broken))]  # fmt: skip
+    written = await SessionService(stores.db).settle_and_record_turns(t.org_id, agent, batch)
+    assert [(w.hold_before, w.turn, w.checkpoint_error) for w in written] == [
+        (HoldStatus.HELD, 1, None),
+        (HoldStatus.HELD, None, "23514"),
+    ]
+    assert await period(stores, t.org_id, agent) == (Decimal("0.03"), Decimal(0))
+
+
+async def test_one_statement_per_agent_is_in_flight_and_the_rest_waits_for_the_next(
+    tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(directive=None)
+    agent = t.agents["alpha"]
+    batch = await answers(stores, t, [f"s{i}" for i in range(12)])
+    tasks: set[asyncio.Task[object]] = set()
+    failed: list[str] = []
+
+    def spawn(name: str, coro: Coroutine[Any, Any, object]) -> None:
+        tasks.add(asyncio.ensure_future(coro))
+
+    budgets = BudgetService(stores.db)
+    settles = AnswerSettles(SessionService(stores.db), budgets, spawn, lambda: failed.append("checkpoint"), max_batch=4)
+    settles.add(*batch[0])
+    await asyncio.sleep(0)  # the writer starts and takes the first answer alone
+    for answer in batch[1:]:  # these arrive while it is in flight: 11 answers, at most 4 per statement
+        settles.add(*answer)
+    while tasks:  # the writer and anything it spawned
+        await asyncio.gather(*tasks)
+        tasks = {task for task in tasks if not task.done()}
+    assert failed == []
+    assert await transactions(stores, t.org_id) == 4  # 1, then 4, 4 and 3
+    spent = sum((Decimal("0.01") * (i + 1) for i in range(12)), Decimal(0))
+    assert await period(stores, t.org_id, agent) == (spent, Decimal(0))
+    assert await period(stores, t.org_id, t.org_id) == (spent, Decimal(0))
