@@ -247,6 +247,7 @@ def main() -> None:
         help="also measure `ibex proxy --workers N` for each N of this comma-separated list",
     )  # fmt: skip
     args = parser.parse_args()
+    figures = Figures("proxy")  # now: it records the load average before anything starts
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "IBEX_LOG_LEVEL": "WARNING"}
     upstream_proc, upstream_url = start(
@@ -314,7 +315,6 @@ def main() -> None:
         theirs = result["litellm"][0][50] - direct[50]
         print(f"added p50, ibex / litellm: {ours / theirs:.2f}; throughput ratio ibex / litellm: "
               f"{result['ibex'][1] / result['litellm'][1]:.1f}")  # fmt: skip
-    figures = Figures("proxy")
     figures.put("durability", durability)
     figures.put("method", f"{args.requests} sequential requests per target in {args.rounds} interleaved rounds; "
                 f"added = the target's quantile minus the direct upstream's quantile of the same run; throughput: "
