@@ -57,7 +57,7 @@ async def test_a_broken_connection_in_one_round_trip_is_an_outage_and_leaves_the
         raise asyncpg.InternalClientError(BROKEN)
 
     with monkeypatch.context() as patched:
-        patched.setattr(_TenantConnection, "fetchrow", broken)
+        patched.setattr(_TenantConnection, "fetch", broken)
         with pytest.raises(StoreUnavailable):
             await db.call_as(uuid4(), uuid4(), "SELECT $1::uuid AS org, $2::uuid AS agent")
     assert await backend(db) != before
