@@ -106,7 +106,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
     terminal = item.config.get_terminal_writer()
     capture = item.config.pluginmanager.getplugin("capturemanager")
 

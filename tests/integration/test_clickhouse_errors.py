@@ -61,3 +61,46 @@ async def test_a_killed_engine_process_is_an_outage_and_a_new_one_takes_over(tmp
         assert engine not in clickhouse._executor._processes  # type: ignore[attr-defined]
     finally:
         await clickhouse.close()
+
+
+async def test_a_stuck_engine_process_is_an_outage_and_is_replaced(tmp_path: Path) -> None:
+    """An engine that stops answering (here: stopped with SIGSTOP) must not hold a caller forever, a flush at
+    shutdown included: the call fails as an outage after the call timeout, the stuck process is killed, and the
+    next calls get a new engine on the same data path."""
+    clickhouse = ClickHouse(f"chdb://{tmp_path / 'analytics'}", call_timeout=3)
+    try:
+        await clickhouse.command("CREATE TABLE kept (n UInt8) ENGINE = MergeTree ORDER BY n")
+        await clickhouse.insert("kept", [[7]], ["n"])
+        (engine,) = clickhouse._executor._processes  # type: ignore[attr-defined]
+        os.kill(engine, signal.SIGSTOP)
+        with pytest.raises(StoreUnavailable) as caught:
+            await clickhouse.insert("kept", [[8]], ["n"])
+        assert str(caught.value) == "clickhouse unavailable: TimeoutError"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                rows = await clickhouse.admin_query("SELECT n FROM kept ORDER BY n")
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline, "no new engine process took over"
+                await asyncio.sleep(0.1)
+        assert rows[0] == (7,)  # what was written before the engine got stuck is still there
+        assert engine not in clickhouse._executor._processes  # type: ignore[attr-defined]
+        while _alive(engine):  # killed and reaped by the old pool, not left stopped
+            assert time.monotonic() < deadline, "the stuck engine process was left behind"
+            await asyncio.sleep(0.1)
+    finally:
+        await clickhouse.close()
+
+
+def test_the_call_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="call_timeout"):
+        ClickHouse("chdb:///nowhere", call_timeout=0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,5 +1,8 @@
-"""A per-test watchdog: a test that runs longer than a bound gets its threads and asyncio tasks dumped, then the
-session is interrupted (SIGINT), so a hang ends the run early with the evidence instead of at CI's time limit.
+"""A per-test watchdog: a test whose setup, call and teardown together run longer than a bound gets its threads
+and asyncio tasks dumped, then the session is interrupted (SIGINT), so a hang ends the run early with the evidence
+instead of at CI's time limit. If the interrupted run still has not ended after a grace period (its own teardown
+hangs, say on a pool waiting for connections the interrupted tasks hold), the stacks are dumped again and the
+process exits.
 
 The bound (``IBEX_TEST_WATCHDOG_SECONDS``, default 900 s) is far above the slowest test (the cluster test, about
 eight minutes on this machine); it is a hang detector, not a timing assertion.
@@ -19,6 +22,9 @@ from collections.abc import Callable
 from typing import TextIO
 
 DEFAULT_SECONDS = 900.0
+GRACE_SECONDS = 120.0
+"""After the interrupt: how long the run may take to end by itself before the process exits."""
+EXIT_CODE = 70
 
 
 def bound() -> float:
@@ -48,9 +54,12 @@ def dump(nodeid: str, seconds: float, out: TextIO) -> None:
 class Watchdog:
     """``write`` receives the dump (the terminal: pytest holds the process's own stderr while a test runs)."""
 
-    def __init__(self, nodeid: str, seconds: float, write: Callable[[str], None]) -> None:
+    def __init__(
+        self, nodeid: str, seconds: float, write: Callable[[str], None], *, grace: float = GRACE_SECONDS
+    ) -> None:
         self._nodeid = nodeid
         self._seconds = seconds
+        self._grace = grace
         self._write = write
         self._timer = threading.Timer(seconds, self._fire)
         self._timer.daemon = True
@@ -62,10 +71,23 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
 
-    def _fire(self) -> None:
+    def _report(self, seconds: float) -> None:
         out = io.StringIO()
+        dump(self._nodeid, seconds, out)
+        self._write(out.getvalue())
+
+    def _fire(self) -> None:
+        last = threading.Timer(self._grace, self._exit)  # not cancelled by __exit__: it covers the run's end
+        last.daemon = True
+        last.start()
         try:
-            dump(self._nodeid, self._seconds, out)
-            self._write(out.getvalue())
+            self._report(self._seconds)
         finally:  # the run ends even if the dump could not be made
             os.kill(os.getpid(), signal.SIGINT)
+
+    def _exit(self) -> None:
+        try:
+            self._write(f"\n=== watchdog: the interrupted run did not end within {self._grace:.0f} s; exiting ===\n")
+            self._report(self._seconds + self._grace)
+        finally:
+            os._exit(EXIT_CODE)

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
-from tests.support.watchdog import dump
+from tests.support.watchdog import EXIT_CODE, dump
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_the_dump_names_the_thread_and_the_task_a_hang_waits_in() -> None:
@@ -26,3 +32,26 @@ async def test_the_dump_names_the_thread_and_the_task_a_hang_waits_in() -> None:
     assert "tests/x.py::test_y still running after 900 s" in text
     assert "--- thread MainThread ---" in text
     assert "* the-hung-one" in text and "in waits_forever" in text and "await event.wait()" in text
+
+
+HANGS_THROUGH_THE_INTERRUPT = """
+import signal, sys, threading
+from tests.support.watchdog import Watchdog
+
+interrupted = threading.Event()
+signal.signal(signal.SIGINT, lambda *_: interrupted.set())  # a run whose own teardown then hangs
+with Watchdog("tests/x.py::test_hangs", 0.2, lambda text: print(text, flush=True), grace=0.3):
+    threading.Event().wait()  # never set
+"""
+
+
+def test_a_run_that_does_not_end_after_the_interrupt_is_ended() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", HANGS_THROUGH_THE_INTERRUPT],
+        capture_output=True, text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == EXIT_CODE, done.stderr
+    out = done.stdout
+    assert "tests/x.py::test_hangs still running after 0 s" in out  # the first dump, then the interrupt
+    assert "the interrupted run did not end within 0 s; exiting" in out
+    assert out.count("--- thread MainThread ---") == 2  # and the stacks once more before the exit

@@ -20,7 +20,7 @@ from ibex_dataplane.runtime.errors import EmbeddedStoreError
 from ibex_dataplane.settings import Settings
 from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_clickhouse, migrate_postgres
-from ibex_dataplane.store.postgres import Database, create_pool
+from ibex_dataplane.store.postgres import Database, close_pool, create_pool
 from ibex_dataplane.store.redis import RedisClient, create_redis, discover
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class Stores:
             await self.db.close()
         if self.admin_pool is not None:
             with contextlib.suppress(Exception):
-                await self.admin_pool.close()
+                await close_pool(self.admin_pool)
         with contextlib.suppress(Exception):
             await self.redis.aclose()
         if self.owns_clickhouse:

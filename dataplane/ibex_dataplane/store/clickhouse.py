@@ -30,6 +30,8 @@ from ibex_dataplane.store.errors import StoreQueryError, StoreUnavailable, Tenan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CALL_TIMEOUT = 60.0
+"""Seconds a call may take before it counts as an outage (analytics degrade; nothing waits on a stuck engine)."""
 _ORG_FILTER = re.compile(r"\borg_id\s*=\s*\{org_id:UUID\}")
 
 
@@ -80,6 +82,11 @@ def _close(url: str) -> None:
     client = _clients.pop(url, None)
     if client is not None:
         client.close()
+
+
+def _consume(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled():
+        call.exception()
 
 
 # -- one engine served to the workers of one `ibex proxy --workers N` run -------------------------------------------
@@ -202,9 +209,12 @@ class ClickHouse:
     themselves, as they do when a ClickHouse server returns. With ``engine``, calls go to the engine another
     process serves (:class:`EngineServer`) instead, from one thread of this process."""
 
-    def __init__(self, url: str, *, engine: EngineAddress | None = None) -> None:
+    def __init__(self, url: str, *, engine: EngineAddress | None = None, call_timeout: float = CALL_TIMEOUT) -> None:
+        if call_timeout <= 0:
+            raise ValueError("call_timeout must be positive")
         self._url = url
         self._remote = _EngineClient(engine) if engine is not None else None
+        self._call_timeout = call_timeout
         self._executor: Executor = self._new_executor()
 
     def _new_executor(self) -> Executor:
@@ -219,19 +229,47 @@ class ClickHouse:
             self._executor = self._new_executor()
             broken.shutdown(wait=False)
 
+    def _hung(self, executor: Executor) -> None:
+        """A call outlived the call timeout. An engine process is killed and replaced (its other calls fail as an
+        outage); a thread (a server over HTTP, or the supervisor's engine) cannot be stopped, so the calls queued
+        behind it time out the same way until it returns."""
+        if isinstance(executor, ProcessPoolExecutor):
+            log.error("clickhouse engine process did not answer within %.0fs; killing it", self._call_timeout)
+            for process in list((getattr(executor, "_processes", None) or {}).values()):
+                with contextlib.suppress(OSError):
+                    process.kill()
+            self._replace(executor)
+        else:
+            log.error("clickhouse call did not return within %.0fs", self._call_timeout)
+
+    async def _run(self, executor: Executor, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on ``executor``, given up (and the executor dealt with, :meth:`_hung`) after the call
+        timeout, so that no caller (a flush at shutdown, say) can wait on a stuck engine forever."""
+        call = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        try:
+            done, _ = await asyncio.wait({call}, timeout=self._call_timeout)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        if not done:
+            call.add_done_callback(_consume)  # its late outcome is nobody's
+            self._hung(executor)
+            raise TimeoutError(f"clickhouse call exceeded {self._call_timeout:.0f}s")
+        return call.result()
+
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` off the loop. Only a failure to reach the server (or the engine's process) is an outage,
-        :class:`StoreUnavailable`; a statement the server refuses is :class:`StoreQueryError`."""
+        :class:`StoreUnavailable` (a call that does not return within the call timeout is one too); a statement
+        the server refuses is :class:`StoreQueryError`."""
         from clickhouse_connect.driver.exceptions import OperationalError
 
-        loop = asyncio.get_running_loop()
         executor = self._executor
         try:
             if self._remote is not None:
                 name = next(n for n, f in _REMOTE_CALLS.items() if f is fn)
-                result: T = await loop.run_in_executor(executor, self._remote.call, name, *args)
+                result: T = await self._run(executor, self._remote.call, name, *args)
                 return result
-            return await loop.run_in_executor(executor, fn, self._url, *args)
+            return await self._run(executor, fn, self._url, *args)
         except BrokenExecutor as e:
             self._replace(executor)
             raise StoreUnavailable("clickhouse", type(e).__name__) from e
@@ -260,10 +298,15 @@ class ClickHouse:
         await self._call(_command, "SELECT 1")
 
     async def close(self) -> None:
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(Exception):
+        executor = self._executor
+        stuck = False
+        try:
             if self._remote is not None:  # the engine is the server's to close
-                await loop.run_in_executor(self._executor, self._remote.close)
+                await self._run(executor, self._remote.close)
             else:
-                await loop.run_in_executor(self._executor, _close, self._url)
-        self._executor.shutdown(wait=True)
+                await self._run(executor, _close, self._url)
+        except TimeoutError:  # a stuck engine process was killed by _run; a stuck thread cannot be waited for
+            stuck = True
+        except Exception as e:  # a broken engine has nothing left to close
+            log.debug("clickhouse close: %s", type(e).__name__)
+        self._executor.shutdown(wait=not stuck)

@@ -9,6 +9,7 @@ connection this yields and own their SQL.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from uuid import UUID
@@ -17,6 +18,8 @@ import asyncpg
 from pgvector.asyncpg import register_vector
 
 from ibex_dataplane.store.errors import StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 # Errors that mean "the database is not there" rather than "the statement is wrong".
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -82,6 +85,16 @@ async def create_pool(
             server_settings={"application_name": application_name},
         )
     return pool
+
+
+async def close_pool(pool: asyncpg.Pool, timeout: float = 10.0) -> None:
+    """Close ``pool``, waiting up to ``timeout`` for connections in use to come back, then terminating them: a
+    connection held by a task that never finishes (a bug) must not hold up a process's shutdown forever."""
+    try:
+        await asyncio.wait_for(pool.close(), timeout)
+    except TimeoutError:
+        log.warning("postgres pool: connections still in use %gs into its close; terminating them", timeout)
+        pool.terminate()
 
 
 class Database:
@@ -181,4 +194,4 @@ class Database:
                 await conn.fetchval("SELECT 1", timeout=2)
 
     async def close(self) -> None:
-        await self._pool.close()
+        await close_pool(self._pool)
