@@ -33,6 +33,7 @@ from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.clickhouse import ClickHouse
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_clickhouse
+from tests.integration.test_dashboard import WORKER_ONLY, queried
 from tests.integration.test_proxy_replicas import post_chat, start_of_a_fresh_window
 from tests.support.processes import IbexProcess, child_processes, ibex_process
 from tests.support.tenants import TenantFactory
@@ -140,6 +141,13 @@ async def test_requests_spread_over_both_workers_and_every_worker_shows_the_merg
     # ...and every scrape, whichever worker answered it, counts all 40 of them.
     # (A worker rendering only its own values would show fewer: each served fewer than 40.)
     assert {s.get(healthz, 0) - before.get(healthz, 0) for s in scrapes} == {40}
+
+
+async def test_the_dashboards_per_worker_series_are_in_a_workers_scrape(proxy: IbexProcess) -> None:
+    """The chart's dashboard plots series only several workers export (test_dashboard checks the rest)."""
+    async with fresh_connections() as http:
+        names = {name for name, _ in await scrape(http, proxy.url)}
+    assert queried() >= WORKER_ONLY and names >= WORKER_ONLY
 
 
 async def test_requests_without_a_valid_key_are_refused_with_the_envelope(proxy: IbexProcess) -> None:
