@@ -105,8 +105,7 @@ def pytest_configure(config: pytest.Config) -> None:
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+def _watched(item: pytest.Item, phase: str) -> Watchdog:
     terminal = item.config.get_terminal_writer()
     capture = item.config.pluginmanager.getplugin("capturemanager")
 
@@ -115,7 +114,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             terminal.write(text)
             terminal.flush()
 
-    with Watchdog(item.nodeid, bound(), write):
+    return Watchdog(f"{item.nodeid} ({phase})", bound(phase), write)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _watched(item, "setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _watched(item, "call"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _watched(item, "teardown"):
         return (yield)
 
 

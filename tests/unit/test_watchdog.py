@@ -55,3 +55,29 @@ def test_a_run_that_does_not_end_after_the_interrupt_is_ended() -> None:
     assert "tests/x.py::test_hangs still running after 0 s" in out  # the first dump, then the interrupt
     assert "the interrupted run did not end within 0 s; exiting" in out
     assert out.count("--- thread MainThread ---") == 2  # and the stacks once more before the exit
+
+
+HANGS_IN_A_FIXTURE = """
+import time
+import pytest
+
+@pytest.fixture
+def stuck():
+    time.sleep(600)  # a fixture that never returns (interrupted by the watchdog's SIGINT)
+
+def test_x(stuck):
+    pass
+"""
+
+
+def test_a_fixture_that_hangs_is_caught_in_setup_too(tmp_path: Path) -> None:
+    (tmp_path / "test_hang.py").write_text(HANGS_IN_A_FIXTURE)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-c", os.devnull, "--rootdir", str(tmp_path),
+         "-p", "no:cacheprovider", "-q", str(tmp_path / "test_hang.py")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "IBEX_TEST_WATCHDOG_FIXTURE_SECONDS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr  # pytest's exit code for an interrupted run
+    assert "test_hang.py::test_x (setup) still running after 1 s" in done.stdout
+    assert "in stuck" in done.stdout  # the dump shows where it hangs
