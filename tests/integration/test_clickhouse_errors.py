@@ -49,14 +49,7 @@ async def test_a_killed_engine_process_is_an_outage_and_a_new_one_takes_over(tmp
         os.kill(engine, signal.SIGKILL)
         with pytest.raises(StoreUnavailable):
             await clickhouse.ping()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                rows = await clickhouse.admin_query("SELECT n FROM kept")
-                break
-            except StoreUnavailable:
-                assert time.monotonic() < deadline, "no new engine process took over"
-                await asyncio.sleep(0.1)
+        rows = await _once_a_new_engine_answers(clickhouse, "SELECT n FROM kept")
         assert rows == [(1,)]  # the data survived: same path, new process
         assert engine not in clickhouse._executor._processes  # type: ignore[attr-defined]
     finally:
@@ -76,16 +69,10 @@ async def test_a_stuck_engine_process_is_an_outage_and_is_replaced(tmp_path: Pat
         with pytest.raises(StoreUnavailable) as caught:
             await clickhouse.insert("kept", [[8]], ["n"])
         assert str(caught.value) == "clickhouse unavailable: TimeoutError"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                rows = await clickhouse.admin_query("SELECT n FROM kept ORDER BY n")
-                break
-            except StoreUnavailable:
-                assert time.monotonic() < deadline, "no new engine process took over"
-                await asyncio.sleep(0.1)
+        rows = await _once_a_new_engine_answers(clickhouse, "SELECT n FROM kept ORDER BY n")
         assert rows[0] == (7,)  # what was written before the engine got stuck is still there
         assert engine not in clickhouse._executor._processes  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 60
         while _alive(engine):  # killed and reaped by the old pool, not left stopped
             assert time.monotonic() < deadline, "the stuck engine process was left behind"
             await asyncio.sleep(0.1)
@@ -104,3 +91,14 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+async def _once_a_new_engine_answers(clickhouse: ClickHouse, sql: str) -> list[tuple[object, ...]]:
+    """``sql``'s rows as soon as the facade's next engine process answers (the broken one fails as an outage)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return await clickhouse.admin_query(sql)
+        except StoreUnavailable:
+            assert time.monotonic() < deadline, "no new engine process took over"
+            await asyncio.sleep(0.1)
