@@ -4,6 +4,9 @@ timeout, so a process (or a test's teardown) shuts down instead of hanging on it
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
@@ -20,12 +23,16 @@ async def test_a_connection_never_released_is_terminated_when_the_pool_closes(
     assert await _ends(stores, pid)  # its server session is gone: the connection was terminated, not leaked
 
 
-async def test_a_pool_with_everything_released_closes_cleanly(runtime_info: RuntimeInfo) -> None:
+async def test_a_pool_with_everything_released_closes_cleanly(
+    runtime_info: RuntimeInfo, caplog: pytest.LogCaptureFixture
+) -> None:
     pool = await create_pool(runtime_info.postgres_app_dsn, min_size=1, max_size=2)
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT 1") == 1
-    await close_pool(pool, timeout=30)
+    with caplog.at_level(logging.WARNING, logger="ibex_dataplane.store.postgres"):
+        await close_pool(pool, timeout=30)
     assert pool.is_closing()
+    assert not [r for r in caplog.records if "terminating" in r.getMessage()]  # closed, not cut short
 
 
 async def _ends(stores: Stores, pid: int) -> bool:
