@@ -57,6 +57,19 @@ class Settings(BaseSettings):
         default=0, ge=0, description="Worker processes of `ibex proxy` (its --workers); 0: one per usable CPU."
     )
 
+    budget_lease_requests: int = Field(
+        default=0,
+        ge=0,
+        le=10000,
+        description=(
+            "Budget leases (docs/budget-leases.md): a busy agent's requests draw from one durable hold covering this"
+            " many of their worst cases, with no Postgres round trip each; 0 turns leases off (a hold per request)."
+        ),
+    )
+    budget_lease_seconds: float = Field(
+        default=5.0, gt=0, le=60, description="Budget leases are drawn from for at most this long, then go back."
+    )
+
     analytics_flush_seconds: float = Field(
         default=1.0, gt=0, description="How often buffered analytics rows are flushed to ClickHouse."
     )

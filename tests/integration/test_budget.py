@@ -13,7 +13,6 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, date, datetime, timedelta, timezone
-from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
@@ -38,14 +37,10 @@ from ibex_dataplane.shared.budget import (
 from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
 from ibex_dataplane.store.postgres import Database, create_pool
+from tests.support.budget import AGENT_SPEC, HARD, ORG_SPEC, D, ledger, rid, totals
 from tests.support.tenants import Tenant, TenantFactory
 
 T = TypeVar("T")
-D = Decimal
-
-HARD = BudgetPolicy(org_limit_usd=D("1.00"), agent_limit_usd=D("0.50"), enforcement=Enforcement.HARD_CAP)
-ORG_SPEC = {"budget": {"monthlyLimitUSD": "1.00", "enforcement": "HardCap"}}
-AGENT_SPEC = {"budget": {"monthlyLimitUSD": "0.50"}}
 
 
 class Clock:
@@ -68,33 +63,11 @@ async def tenant(tenants: TenantFactory) -> Tenant:
     return await tenants.create(org_spec=ORG_SPEC, agent_spec=AGENT_SPEC, directive=None)
 
 
-def rid() -> str:
-    return f"req_{uuid4().hex}"
-
-
-async def totals(budgets: BudgetService, org_id: UUID, agent_id: UUID) -> dict[str, tuple[Decimal, Decimal]]:
-    """(spent, held) of the org and of the agent for the current period."""
-    org = await budgets.spend(org_id)
-    agent = await budgets.spend(org_id, agent_id)
-    return {"org": (org.spent_usd, org.held_usd), "agent": (agent.spent_usd, agent.held_usd)}
-
-
 async def hold_row(stores: Stores, hold: BudgetHold) -> asyncpg.Record:
     async with stores.db.tenant(hold.org_id) as conn:
         row = await conn.fetchrow("SELECT status, amount_usd, actual_usd FROM budget_holds WHERE id = $1", hold.id)
     assert row is not None
     return row
-
-
-async def ledger(stores: Stores, org_id: UUID) -> list[asyncpg.Record]:
-    async with stores.db.tenant(org_id) as conn:
-        return list(
-            await conn.fetch(
-                "SELECT agent_id, request_id, model, prompt_tokens, completion_tokens, cost_usd FROM budget_ledger"
-                " WHERE org_id = $1 ORDER BY id",
-                org_id,
-            )
-        )
 
 
 async def reconcile(stores: Stores, org_id: UUID) -> None:

@@ -67,7 +67,7 @@ from ibex_dataplane.proxy.sessions import SessionService
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
-from ibex_dataplane.shared.budget import BudgetService
+from ibex_dataplane.shared.budget import BudgetService, LeaseSettings
 from ibex_dataplane.shared.http import envelope_middleware
 from ibex_dataplane.shared.idempotency import IdempotencyLedger
 from ibex_dataplane.store.keys import GlobalKeys
@@ -166,7 +166,12 @@ def create_app(
         [key_cache, policy_cache, directive_cache],
     )
     background = BackgroundTasks(metrics)
-    budgets = BudgetService(stores.db)
+    leases = (
+        LeaseSettings(settings.budget_lease_requests, settings.budget_lease_seconds)
+        if settings.budget_lease_requests
+        else None
+    )
+    budgets = BudgetService(stores.db, leases=leases)
     rate_limiter = RateLimiter(stores.redis)
     analytics = AnalyticsRecorder(stores.clickhouse, metrics.registry, flush_interval=settings.analytics_flush_seconds)
 

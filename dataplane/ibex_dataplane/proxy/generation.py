@@ -256,7 +256,7 @@ def budget_hold(
                 metrics.budget_holds.labels("refused").inc()
             raise ApiError(402, "BUDGET_EXCEEDED", f"the {e.scope} budget for this month is exhausted") from e
         if metrics is not None:
-            metrics.budget_holds.labels("placed").inc()
+            metrics.budget_holds.labels("drawn" if plan.hold.lease else "placed").inc()
 
     return gate
 

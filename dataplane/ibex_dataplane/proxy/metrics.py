@@ -67,7 +67,8 @@ class ProxyMetrics:
         )  # fmt: skip
 
         self.budget_holds = Counter(
-            "ibex_proxy_budget_holds_total", "Budget holds by outcome: placed, refused, settled, released.",
+            "ibex_proxy_budget_holds_total",
+            "Budget holds by outcome: placed, drawn (from a lease), refused, settled, released.",
             ["outcome"], registry=r,
         )  # fmt: skip
         self.cache_lookups = Counter(

@@ -48,7 +48,8 @@ class Turn:
 
 
 def _answer_item(settlement: Settlement, turn: Turn) -> dict[str, object]:
-    """One answer as ``ibex_answer_settle_batch_as`` reads it (migration 0034): the settle's usage is the turn's."""
+    """One answer as ``ibex_answer_settle_batch_as`` reads it (migrations 0034, 0035): the settle's usage is the
+    turn's; a request drawn from a lease carries its drawn amount."""
     c = turn.capture
     return {
         "hold": str(settlement.hold.id), "actual": f"{settlement.actual_usd:f}", "model": settlement.model,
@@ -57,6 +58,7 @@ def _answer_item(settlement: Settlement, turn: Turn) -> dict[str, object]:
         "completion": turn.completion_digest, "latency_ms": turn.latency_ms, "mode": c.mode if c else None,
         "capture_model": c.model if c else None, "capture": orjson.Fragment(c.payload()) if c else None,
         "observed_at": c.observed_at.isoformat() if c and c.observed_at else None,
+        **({"drawn": f"{settlement.hold.amount_usd:f}"} if settlement.hold.lease else {}),
     }  # fmt: skip
 
 

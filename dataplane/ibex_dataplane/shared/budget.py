@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -32,6 +33,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 from uuid import UUID, uuid4
 
+from ibex_dataplane.shared.budget_leases import Lease, LeaseBook, LeaseKey, LeaseSettings
 from ibex_dataplane.shared.budget_repository import (
     BudgetRepository,
     DuplicateBudgetHold,
@@ -50,6 +52,7 @@ __all__ = [
     "BudgetSnapshot",
     "DuplicateBudgetHold",
     "Enforcement",
+    "LeaseSettings",
     "month_start",
     "utc_now",
 ]
@@ -121,6 +124,7 @@ class BudgetHold:
     amount_usd: Decimal
     period_start: date
     over_budget: bool  # AlertOnly holds that went over a limit (recorded, not blocked)
+    lease: bool = False  # drawn from the lease ``id`` (docs/budget-leases.md) instead of held alone
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,8 @@ class BudgetService:
         hold_ttl: timedelta = timedelta(minutes=10),
         settle_retry_for: timedelta = timedelta(hours=1),
         clock: Callable[[], datetime] = utc_now,
+        leases: LeaseSettings | None = None,
+        lease_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if hold_ttl < timedelta(0):
             raise ValueError("hold_ttl must not be negative")
@@ -189,6 +195,8 @@ class BudgetService:
         self._inflight: set[asyncio.Task[Any]] = set()
         self.retrying = 0  # settles waiting for Postgres to come back
         self._closing = asyncio.Event()  # set at shutdown: waiting settles give up (their holds expire)
+        self._leases = LeaseBook(leases, lease_clock) if leases is not None else None
+        self._placing: dict[LeaseKey, asyncio.Task[None]] = {}  # leases being placed, one per agent and month
 
     async def hold(
         self, org_id: UUID, agent_id: UUID, request_id: str, amount_usd: Decimal, policy: BudgetPolicy
@@ -199,12 +207,19 @@ class BudgetService:
         when the org already has a hold for ``request_id``, and ``StoreUnavailable`` when Postgres cannot be
         reached. Not shielded from cancellation on purpose: a hold nobody will use is better rolled back; one that
         committed just before the caller vanished expires after ``hold_ttl``.
+
+        With leases on, the hold is drawn from this process's lease for the agent when one has enough left (no
+        round trip; the returned hold says ``lease``), and a busy agent gets a lease (docs/budget-leases.md).
         """
         if not request_id:
             raise ValueError("a budget hold needs a request id")
         amount = _usd(amount_usd, "amount_usd", ROUND_CEILING)
-        hold_id = uuid4()
         period = month_start(self._clock())
+        if self._leases is not None and amount > 0 and not self._closing.is_set():
+            lease = await self._draw((org_id, agent_id, period), amount, policy)
+            if lease is not None:
+                return BudgetHold(lease.id, org_id, agent_id, request_id, amount, period, False, lease=True)
+        hold_id = uuid4()
         result = await self._repo.place_hold(
             org_id,
             agent_id,
@@ -239,6 +254,85 @@ class BudgetService:
             )
         return BudgetHold(hold_id, org_id, agent_id, request_id, amount, period, over)
 
+    async def _draw(self, key: LeaseKey, amount: Decimal, policy: BudgetPolicy) -> Lease | None:
+        """Draw ``amount`` from a lease of ``key``, placing one first when the agent is busy; None: hold alone."""
+        book = self._leases
+        assert book is not None
+        busy = book.seen(key)
+        lease = self._draw_now(key, amount, policy)
+        if lease is None:
+            placing = self._placing.get(key)
+            if placing is None and busy:
+                placing = self._place_lease(key, amount, policy)
+            if placing is not None:
+                await asyncio.shield(placing)  # one round trip, as a hold would take; it outlives a cancellation
+                lease = self._draw_now(key, amount, policy)  # None when refused: the caller holds alone
+        if lease is not None and book.low(lease) and key not in self._placing:
+            self._place_lease(key, amount, policy)  # the next one, in the background: a steady stream never waits
+        return lease
+
+    def _draw_now(self, key: LeaseKey, amount: Decimal, policy: BudgetPolicy) -> Lease | None:
+        assert self._leases is not None
+        lease, retired = self._leases.draw(key, policy, amount)
+        for old in retired:
+            self._return(old)
+        return lease
+
+    def _place_lease(self, key: LeaseKey, amount: Decimal, policy: BudgetPolicy) -> asyncio.Task[None]:
+        task = self._track(self._lease(key, amount, policy))
+        self._placing[key] = task
+        return task
+
+    async def _lease(self, key: LeaseKey, amount: Decimal, policy: BudgetPolicy) -> None:
+        book = self._leases
+        assert book is not None
+        org_id, agent_id, period = key
+        size = min(amount * book.settings.requests, _MAX_USD)
+        lease_id = uuid4()
+        try:
+            held = await self._repo.place_lease(
+                org_id, agent_id, lease_id=lease_id, period_start=period, amount_usd=size,
+                reserve_usd=size * book.settings.reserve, org_limit_usd=policy.org_limit_usd,
+                agent_limit_usd=policy.agent_limit_usd, enforcement=policy.enforcement.value, ttl=self._hold_ttl,
+            )  # fmt: skip
+        except Exception as e:  # a lease is an optimisation: whatever failed, the requests hold alone
+            log.warning("budget lease not placed: %s; holding alone", type(e).__name__)
+            held = False
+        finally:
+            del self._placing[key]
+        if not held:
+            book.refused(key)
+            return
+        lease = Lease(lease_id, key, policy, size, book.now())
+        book.add(lease)
+        asyncio.get_running_loop().call_later(book.settings.seconds, self._retire, lease_id)
+
+    def _retire(self, lease_id: UUID) -> None:
+        if self._leases is not None and (lease := self._leases.retire(lease_id)) is not None:
+            self._return(lease)
+
+    def _draw_done(self, hold: BudgetHold) -> None:
+        """A drawn request was settled, released or given up on: its lease may now go back."""
+        if hold.lease and self._leases is not None and (lease := self._leases.done(hold.id)) is not None:
+            self._return(lease)
+
+    def _return(self, lease: Lease) -> None:
+        """Give back what ``lease`` has left (every draw of it settled or released)."""
+        org_id, agent_id, _ = lease.key
+
+        async def give_back() -> None:
+            try:
+                await self._repo.release_hold(org_id, agent_id, lease.id)
+            except Exception as e:
+                log.warning("budget lease not returned (%s); it expires after the hold ttl", type(e).__name__)
+
+        self._track(give_back())
+
+    @property
+    def open_leases(self) -> int:
+        """Leases of this process not returned yet."""
+        return self._leases.open if self._leases is not None else 0
+
     def settlement(
         self, hold: BudgetHold, actual_usd: Decimal, *, model: str, prompt_tokens: int, completion_tokens: int
     ) -> Settlement:
@@ -271,21 +365,12 @@ class BudgetService:
         delay = 0.05
         while True:
             try:
-                before = await self._complete(
-                    self._repo.settle_hold(
-                        hold.org_id,
-                        hold.agent_id,
-                        hold.id,
-                        actual_usd=settlement.actual_usd,
-                        model=settlement.model,
-                        prompt_tokens=settlement.prompt_tokens,
-                        completion_tokens=settlement.completion_tokens,
-                    )
-                )
+                before = await self._complete(self._settle_write(settlement))
                 break
             except StoreUnavailable:
                 if loop.time() + delay > give_up or self._closing.is_set():
                     log.error("settle gave up after retrying (request_id=%s hold=%s)", hold.request_id, hold.id)
+                    self._draw_done(hold)
                     raise
                 log.warning("settle deferred, Postgres unavailable (request_id=%s); retrying", hold.request_id)
                 self.retrying += 1
@@ -297,9 +382,23 @@ class BudgetService:
                 delay = min(delay * 2, 5.0)
         self.settled(settlement, before)
 
+    def _settle_write(self, settlement: Settlement) -> Coroutine[Any, Any, HoldStatus | None]:
+        hold = settlement.hold
+        if hold.lease:
+            return self._repo.settle_draw(
+                hold.org_id, hold.agent_id, hold.id, request_id=hold.request_id, drawn_usd=hold.amount_usd,
+                actual_usd=settlement.actual_usd, model=settlement.model, prompt_tokens=settlement.prompt_tokens,
+                completion_tokens=settlement.completion_tokens,
+            )  # fmt: skip
+        return self._repo.settle_hold(
+            hold.org_id, hold.agent_id, hold.id, actual_usd=settlement.actual_usd, model=settlement.model,
+            prompt_tokens=settlement.prompt_tokens, completion_tokens=settlement.completion_tokens,
+        )  # fmt: skip
+
     def settled(self, settlement: Settlement, before: HoldStatus | None) -> None:
         """Report a settle that was written: ``before`` is the status the hold had (None: no such hold)."""
         hold = settlement.hold
+        self._draw_done(hold)
         if before is None:
             log.warning("settle of an unknown budget hold ignored (request_id=%s hold=%s)", hold.request_id, hold.id)
         elif before is HoldStatus.SETTLED:
@@ -308,7 +407,11 @@ class BudgetService:
             log.info("budget hold settled after it was %s (request_id=%s)", before, hold.request_id)
 
     async def release(self, hold: BudgetHold) -> None:
-        """Give the whole hold back (the provider failed before any usage). Idempotent; runs to completion."""
+        """Give the whole hold back (the provider failed before any usage). Idempotent; runs to completion. A
+        drawn amount stays in its lease, which goes back whole once its draws are done: no round trip here."""
+        if hold.lease:
+            self._draw_done(hold)
+            return
         before = await self._complete(self._repo.release_hold(hold.org_id, hold.agent_id, hold.id))
         if before is None:
             log.warning("release of an unknown budget hold ignored (request_id=%s hold=%s)", hold.request_id, hold.id)
@@ -346,16 +449,25 @@ class BudgetService:
         self._closing.set()
 
     async def drain(self) -> None:
-        """Wait for settles and releases whose callers went away (call at shutdown, before closing the pool)."""
+        """Wait for settles and releases whose callers went away, and return the leases whose draws are done
+        (call at shutdown, after the settles were handed over and before closing the pool)."""
         self.stop_retrying()
+        if self._leases is not None:
+            for lease in self._leases.retire_all():
+                self._return(lease)
         while self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
 
-    async def _complete(self, write: Coroutine[Any, Any, T]) -> T:
-        """Run a write that must finish even if the awaiting request is cancelled (a client disconnect)."""
+    def _track(self, write: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run ``write`` as a task that :meth:`drain` waits for."""
         task = asyncio.create_task(write)
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
+        return task
+
+    async def _complete(self, write: Coroutine[Any, Any, T]) -> T:
+        """Run a write that must finish even if the awaiting request is cancelled (a client disconnect)."""
+        task = self._track(write)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:

@@ -36,6 +36,14 @@ _SETTLE = (
     "SELECT ibex_budget_settle_as($1::uuid, $2::uuid, $3::uuid, $4::numeric, $5::text, $6::integer, $7::integer)"
     " AS status"
 )
+_LEASE = (
+    "SELECT ibex_budget_lease_as($1::uuid, $2::uuid, $3::uuid, $4::date, $5::numeric, $6::numeric, $7::numeric,"
+    " $8::numeric, $9::text, $10::interval) AS outcome"
+)
+_SETTLE_DRAW = (
+    "SELECT ibex_budget_settle_draw_as($1::uuid, $2::uuid, $3::uuid, $4::text, $5::numeric, $6::numeric, $7::text,"
+    " $8::integer, $9::integer) AS status"
+)
 _RELEASE = "SELECT ibex_budget_release_as($1::uuid, $2::uuid, $3::uuid) AS status"
 _SWEEP = "SELECT ibex_sweep_expired_holds($1::integer)"
 _PERIOD = (
@@ -149,6 +157,51 @@ class BudgetRepository:
         row = await self._call_as(
             org_id, agent_id, _SETTLE, hold_id, actual_usd, model, prompt_tokens, completion_tokens
         )
+        status = row["status"] if row is not None else None
+        return HoldStatus(status) if status is not None else None
+
+    async def place_lease(
+        self,
+        org_id: UUID,
+        agent_id: UUID,
+        *,
+        lease_id: UUID,
+        period_start: date,
+        amount_usd: Decimal,
+        reserve_usd: Decimal,
+        org_limit_usd: Decimal | None,
+        agent_limit_usd: Decimal | None,
+        enforcement: str,
+        ttl: timedelta,
+    ) -> bool:
+        """Hold ``amount_usd`` as a lease (migration 0035) if every limited scope keeps ``reserve_usd`` free
+        beside it; False when refused (nothing held)."""
+        row = await self._call_as(
+            org_id, agent_id, _LEASE, lease_id, period_start, amount_usd, reserve_usd, org_limit_usd,
+            agent_limit_usd, enforcement, ttl,
+        )  # fmt: skip
+        assert row is not None
+        return bool(row["outcome"] == "held")
+
+    async def settle_draw(
+        self,
+        org_id: UUID,
+        agent_id: UUID,
+        lease_id: UUID,
+        *,
+        request_id: str,
+        drawn_usd: Decimal,
+        actual_usd: Decimal,
+        model: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> HoldStatus | None:
+        """Settle one request drawn from a lease, by its request id; returns the lease's status before ('settled'
+        when this request was settled already; None: no such lease in this org)."""
+        row = await self._call_as(
+            org_id, agent_id, _SETTLE_DRAW, lease_id, request_id, drawn_usd, actual_usd, model, prompt_tokens,
+            completion_tokens,
+        )  # fmt: skip
         status = row["status"] if row is not None else None
         return HoldStatus(status) if status is not None else None
 

@@ -1,0 +1,108 @@
+"""The lease book alone (docs/budget-leases.md): draws, aging, policies, when a lease is to go back."""
+
+from __future__ import annotations
+
+from datetime import date
+from decimal import Decimal
+from uuid import uuid4
+
+import pytest
+
+from ibex_dataplane.shared.budget_leases import Lease, LeaseBook, LeaseKey, LeaseSettings
+
+D = Decimal
+KEY: LeaseKey = (uuid4(), uuid4(), date(2026, 12, 1))
+
+
+class Tick:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def book_with_lease(amount: str = "1.00", policy: str = "p") -> tuple[LeaseBook, Lease, Tick]:
+    tick = Tick()
+    book = LeaseBook(LeaseSettings(10, seconds=5), tick)
+    lease = Lease(uuid4(), KEY, policy, D(amount), tick())
+    book.add(lease)
+    return book, lease, tick
+
+
+def test_a_draw_takes_from_the_balance_and_never_more_than_is_left() -> None:
+    book, lease, _ = book_with_lease("0.25")
+    assert book.draw(KEY, "p", D("0.10")) == (lease, [])
+    assert book.draw(KEY, "p", D("0.10")) == (lease, [])
+    assert book.draw(KEY, "p", D("0.10")) == (None, [])  # 0.05 left
+    assert (lease.balance, lease.outstanding) == (D("0.05"), 2)
+    assert book.draw(KEY, "p", D("0.05"))[0] is lease and lease.balance == 0
+
+
+def test_another_agent_or_month_draws_nothing() -> None:
+    book, lease, _ = book_with_lease()
+    org, agent, month = KEY
+    assert book.draw((org, uuid4(), month), "p", D("0.01")) == (None, [])
+    assert book.draw((uuid4(), agent, month), "p", D("0.01")) == (None, [])
+    assert book.draw((org, agent, date(2027, 1, 1)), "p", D("0.01")) == (None, [])
+    assert lease.balance == D("1.00")
+
+
+def test_an_aged_lease_is_retired_and_goes_back_once_its_draws_are_done() -> None:
+    book, lease, tick = book_with_lease()
+    assert book.draw(KEY, "p", D("0.10"))[0] is lease
+    tick.now = 5.0
+    assert book.draw(KEY, "p", D("0.10")) == (None, [])  # too old; one draw still out, so not back yet
+    assert lease.retired and not lease.returned and book.open == 1
+    assert book.done(lease.id) is lease and lease.returned and book.open == 0
+    assert book.done(lease.id) is None  # reported twice: nothing more
+
+
+def test_a_lease_under_another_policy_is_retired_and_an_idle_one_goes_back_at_once() -> None:
+    book, lease, _ = book_with_lease()
+    assert book.draw(KEY, "new policy", D("0.10")) == (None, [lease])
+    assert lease.returned and book.open == 0
+
+
+def test_retire_all_returns_the_idle_leases_and_keeps_the_busy_ones_until_done() -> None:
+    book, busy, tick = book_with_lease()
+    idle = Lease(uuid4(), KEY, "p", D("1.00"), tick())
+    book.add(idle)
+    assert book.draw(KEY, "p", D("0.10"))[0] is busy
+    assert book.retire_all() == [idle]
+    assert book.draw(KEY, "p", D("0.10")) == (None, [])  # retired leases are drawn from no more
+    assert book.done(busy.id) is busy and book.open == 0
+
+
+def test_an_agent_is_busy_after_a_second_hold_within_the_window_unless_a_lease_was_refused() -> None:
+    tick = Tick()
+    book = LeaseBook(LeaseSettings(10, seconds=5), tick)
+    assert book.seen(KEY) is False
+    tick.now = 4.9
+    assert book.seen(KEY) is True
+    book.refused(KEY)
+    tick.now = 6.0
+    assert book.seen(KEY) is False  # refused 1.1 s ago
+    tick.now = 10.0
+    assert book.seen(KEY) is True
+
+
+def test_low_means_under_a_quarter_left() -> None:
+    book, lease, _ = book_with_lease("1.00")
+    book.draw(KEY, "p", D("0.75"))
+    assert not book.low(lease)
+    book.draw(KEY, "p", D("0.01"))
+    assert book.low(lease)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"requests": 0}, "one request"),
+        ({"requests": 5, "seconds": 0}, "seconds"),
+        ({"requests": 5, "reserve": -1}, "reserve"),
+    ],
+)
+def test_settings_are_checked(kw: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LeaseSettings(**kw)  # type: ignore[arg-type]
