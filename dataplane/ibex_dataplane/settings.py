@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     )
 
     budget_lease_requests: int = Field(
-        default=0,
+        default=32,
         ge=0,
         le=10000,
         description=(
@@ -68,6 +68,22 @@ class Settings(BaseSettings):
     )
     budget_lease_seconds: float = Field(
         default=5.0, gt=0, le=60, description="Budget leases are drawn from for at most this long, then go back."
+    )
+
+    rate_grant_requests: int = Field(
+        default=0,
+        ge=0,
+        le=10000,
+        description=(
+            "Rate-limit grants (docs/budget-leases.md): a busy agent's admission counts this many requests at once in"
+            " Redis, and the next ones are admitted from that grant with no Redis call; 0 or 1 turns grants off."
+        ),
+    )
+    rate_grant_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        le=10,
+        description="Rate-limit grants are drawn from for at most this long; the rest goes back.",
     )
 
     analytics_flush_seconds: float = Field(

@@ -21,10 +21,12 @@ from tests.chaos.load import Org, Write
 class Books:
     """One organization's accounting for the current month."""
 
-    holds: Counter[str] = field(default_factory=Counter)  # status -> count
-    held_open_usd: Decimal = Decimal(0)  # amounts of holds still 'held'
+    holds: Counter[str] = field(default_factory=Counter)  # status -> count, holds of one request
+    leases: Counter[str] = field(default_factory=Counter)  # status -> count, budget leases (docs/budget-leases.md)
+    held_open_usd: Decimal = Decimal(0)  # amounts of holds and leases still 'held'
     max_hold_usd: Decimal = Decimal(0)
     ledger_rows: int = 0
+    ledger_drawn: int = 0  # ledger rows of requests drawn from a lease (no hold row of their own)
     ledger_usd: Decimal = Decimal(0)
     ledger_duplicates: int = 0
     spent_usd: Decimal = Decimal(0)  # org scope
@@ -39,15 +41,18 @@ async def books(admin_dsn: str, org: Org) -> Books:
     try:
         b = Books()
         for row in await conn.fetch(
-            "SELECT status, count(*) AS n, coalesce(sum(amount_usd), 0) AS amount, coalesce(max(amount_usd), 0) AS"
-            " biggest FROM budget_holds WHERE org_id = $1 GROUP BY status", org.org_id,
+            "SELECT request_id LIKE 'lease\\_%' AS lease, status, count(*) AS n, coalesce(sum(amount_usd), 0) AS"
+            " amount, coalesce(max(amount_usd), 0) AS biggest FROM budget_holds WHERE org_id = $1 GROUP BY 1, 2",
+            org.org_id,
         ):  # fmt: skip
-            b.holds[row["status"]] = row["n"]
-            b.max_hold_usd = max(b.max_hold_usd, row["biggest"])
+            (b.leases if row["lease"] else b.holds)[row["status"]] = row["n"]
+            if not row["lease"]:
+                b.max_hold_usd = max(b.max_hold_usd, row["biggest"])
             if row["status"] == "held":
-                b.held_open_usd = row["amount"]
-        for row in await conn.fetch(
-            "SELECT agent_id, max(amount_usd) AS biggest FROM budget_holds WHERE org_id = $1 GROUP BY agent_id",
+                b.held_open_usd += row["amount"]
+        for row in await conn.fetch(  # one request's largest reservation: leases cover many
+            "SELECT agent_id, max(amount_usd) AS biggest FROM budget_holds WHERE org_id = $1"
+            " AND request_id NOT LIKE 'lease\\_%' GROUP BY agent_id",
             org.org_id,
         ):
             b.agent_max_hold_usd[row["agent_id"]] = row["biggest"]
@@ -58,6 +63,10 @@ async def books(admin_dsn: str, org: Org) -> Books:
         assert ledger is not None
         b.ledger_rows, b.ledger_usd = ledger["n"], ledger["total"]
         b.ledger_duplicates = ledger["n"] - ledger["ids"]
+        b.ledger_drawn = await conn.fetchval(
+            "SELECT count(*) FROM budget_ledger l WHERE l.org_id = $1 AND NOT EXISTS"
+            " (SELECT 1 FROM budget_holds h WHERE h.org_id = l.org_id AND h.request_id = l.request_id)", org.org_id,
+        )  # fmt: skip
         for row in await conn.fetch(
             "SELECT scope_kind, scope_id, limit_usd, spent_usd, held_usd FROM budget_periods"
             " WHERE org_id = $1 AND period_start = date_trunc('month', now() AT TIME ZONE 'UTC')::date", org.org_id,

@@ -103,9 +103,11 @@ async def test_a_refusal_after_the_budget_hold_releases_it(
                 "SELECT status, count(*) AS n FROM budget_holds WHERE org_id = $1 GROUP BY status", t.org_id
             )
         holds = {r["status"]: r["n"] for r in rows}
-        if holds == {"released": 3} or time.monotonic() > deadline:
+        if set(holds) == {"released"} or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.05)
-    assert holds == {"released": 3}  # each refused request had placed a hold, and gave it back
+    # Each refused request had a hold and gave it back: the first its own; the others drew from a budget lease
+    # (docs/budget-leases.md), which went back whole once it aged.
+    assert set(holds) == {"released"} and 2 <= sum(holds.values()) <= 3
     snapshot = await BudgetService(stores.db).spend(t.org_id)
     assert (snapshot.held_usd, snapshot.spent_usd, snapshot.limit_usd) == (0, 0, Decimal("5.00"))

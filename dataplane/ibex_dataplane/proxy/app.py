@@ -59,6 +59,7 @@ from ibex_dataplane.proxy.memory_routes import add_memory_routes
 from ibex_dataplane.proxy.metrics import CONTENT_TYPE, ProxyMetrics, timing_middleware
 from ibex_dataplane.proxy.openapi import openapi_document
 from ibex_dataplane.proxy.policy import PolicyService, decode_policy, encode_policy
+from ibex_dataplane.proxy.rate_grants import GrantSettings
 from ibex_dataplane.proxy.ratelimit import RateLimiter
 from ibex_dataplane.proxy.repository import ProxyRepository
 from ibex_dataplane.proxy.response_store import ResponseStore
@@ -172,7 +173,12 @@ def create_app(
         else None
     )
     budgets = BudgetService(stores.db, leases=leases)
-    rate_limiter = RateLimiter(stores.redis)
+    grants = (
+        GrantSettings(settings.rate_grant_requests, settings.rate_grant_seconds)
+        if settings.rate_grant_requests > 1
+        else None
+    )
+    rate_limiter = RateLimiter(stores.redis, grants=grants)
     analytics = AnalyticsRecorder(stores.clickhouse, metrics.registry, flush_interval=settings.analytics_flush_seconds)
 
     keyed = [
@@ -251,6 +257,7 @@ def create_app(
             budgets.stop_retrying()  # settles waiting on a lost Postgres end now instead of holding up shutdown
             await background.drain()
             await accounting.close()
+            await rate_limiter.close()
             await budgets.drain()
             await analytics.stop()
             await registry.aclose()

@@ -31,15 +31,17 @@ stored rather than resetting it, so small skew between injected clocks cannot re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 from uuid import UUID
 
 from redis.exceptions import RedisError
 
+from ibex_dataplane.proxy.rate_grants import Grant, GrantBook, GrantSettings
 from ibex_dataplane.store.keys import TenantKeys
 from ibex_dataplane.store.redis import REDIS_DOWN, RedisClient, unavailable
 
@@ -119,24 +121,57 @@ elseif lim[4] >= 0 and tok[2] + tokens > lim[4] then
   denied = 4
 end
 
+-- A grant (ARGV 9-11: requests, tokens, reserve multiple): when the request passes and every limited tier keeps
+-- (1 + reserve) times the grant free, count the grant instead of the one request; the caller draws the rest of it
+-- itself. Near a limit no grant fits and the request is counted alone.
+local n, ntok = 1, tokens
+local gk = tonumber(ARGV[9]) or 0
+if denied == 0 and gk > 1 then
+  local gt = tonumber(ARGV[10])
+  local scale = 1 + tonumber(ARGV[11])
+  if (lim[1] < 0 or req[1] + gk * scale <= lim[1]) and (lim[2] < 0 or tok[1] + gt * scale <= lim[2])
+     and (lim[3] < 0 or req[2] + gk * scale <= lim[3]) and (lim[4] < 0 or tok[2] + gt * scale <= lim[4]) then
+    n, ntok = gk, gt
+  end
+end
+
 local reset = (window + 1) * span - now
 if denied == 0 then
   for i = 1, 2 do
     if used[i] then
       if stored[i][1] == window then
-        redis.call('HINCRBY', KEYS[i], 'r', 1)
-        if tokens > 0 then redis.call('HINCRBY', KEYS[i], 't', tokens) end
+        redis.call('HINCRBY', KEYS[i], 'r', n)
+        if ntok > 0 then redis.call('HINCRBY', KEYS[i], 't', ntok) end
       else
-        redis.call('HSET', KEYS[i], 'w', window, 'r', 1, 't', tokens)
+        redis.call('HSET', KEYS[i], 'w', window, 'r', n, 't', ntok)
         redis.call('PEXPIRE', KEYS[i], reset + grace)
       end
-      req[i] = req[i] + 1
+      req[i] = req[i] + n
+    end
+  end
+else
+  n = 0
+end
+return {denied, oversized, reset, window, req[1], req[2], n}
+"""
+)
+
+# KEYS: agent window hash, org window hash. ARGV: window id, requests, tokens, touch agent '1'/'0', org '1'/'0'.
+# The unused part of a grant goes back to the window it was counted in, only while that window is stored (a later
+# window starts from zero anyway), never below zero.
+_GIVE_BACK_LUA = """
+for i = 1, 2 do
+  if ARGV[3 + i] == '1' then
+    local v = redis.call('HMGET', KEYS[i], 'w', 'r', 't')
+    if tonumber(v[1]) == tonumber(ARGV[1]) then
+      local r = (tonumber(v[2]) or 0) - tonumber(ARGV[2])
+      local t = (tonumber(v[3]) or 0) - tonumber(ARGV[3])
+      redis.call('HSET', KEYS[i], 'r', math.max(r, 0), 't', math.max(t, 0))
     end
   end
 end
-return {denied, oversized, reset, window, req[1], req[2]}
+return 0
 """
-)
 
 # KEYS: agent window hash, org window hash.
 # ARGV: now ms or '', window ms, token delta, window id of the admit or '', touch agent '1'/'0', touch org '1'/'0',
@@ -253,11 +288,19 @@ class RateLimiter:
     :class:`~ibex_dataplane.store.errors.StoreUnavailable`: the gate fails closed.
     """
 
-    def __init__(self, redis: RedisClient, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, redis: RedisClient, *, clock: Callable[[], float] | None = None, grants: GrantSettings | None = None
+    ) -> None:
         self._clock = clock
         # register_script runs EVALSHA and loads the script on NOSCRIPT (e.g. after a Redis restart or failover).
         self._admit = redis.register_script(_ADMIT_LUA)
         self._adjust = redis.register_script(_ADJUST_LUA)
+        self._give_back = redis.register_script(_GIVE_BACK_LUA)
+        self._grants = GrantBook(grants) if grants is not None else None
+        self._returns: set[asyncio.Task[None]] = set()
+
+    def _local_now(self) -> float:
+        return self._clock() if self._clock is not None else time.monotonic()
 
     def _now_arg(self) -> int | str:
         return _SERVER_CLOCK if self._clock is None else round(self._clock() * 1000)
@@ -270,6 +313,17 @@ class RateLimiter:
         if limits.unlimited:
             now = self._clock() if self._clock is not None else time.time()
             return RateDecision(True, None, None, WINDOW_SECONDS - now % WINDOW_SECONDS, None, None)
+        book, key, grant_size = self._grants, (org_id, agent_id, limits), 0
+        if book is not None:
+            now = self._local_now()
+            grant = book.draw(key, tokens, now)
+            if grant is not None:
+                return RateDecision(
+                    True, grant.limit, None if grant.remaining is None else grant.remaining + grant.requests,
+                    max(0.0, grant.window_ends - now), None, None, window=grant.window,
+                )  # fmt: skip
+            if book.seen(key, now):
+                grant_size = book.settings.requests
         keys = TenantKeys(org_id)
         try:
             raw = await self._admit(
@@ -283,16 +337,28 @@ class RateLimiter:
                     _arg(limits.org_tpm),
                     tokens,
                     _EXPIRY_GRACE_MS,
+                    grant_size,
+                    grant_size * tokens,
+                    book.settings.reserve if book is not None else 0,
                 ],
             )
         except _REDIS_FAILURES as e:
             raise unavailable(e) from e
-        denied, oversized, reset_ms, window, agent_requests, org_requests = (int(x) for x in raw)
+        denied, oversized, reset_ms, window, agent_requests, org_requests, counted = (int(x) for x in raw)
         limit, remaining = _tightest(
             (limits.agent_rpm, agent_requests),
             (limits.org_rpm, org_requests),
         )
         reset_seconds = reset_ms / 1000
+        if counted > 1 and book is not None:  # a grant: this request is one of them, the rest is drawn here
+            now = self._local_now()
+            grant = Grant(key, window, counted - 1, (counted - 1) * tokens, limit, remaining, now + reset_seconds,
+                          now + book.settings.seconds)  # fmt: skip
+            if (old := book.add(grant)) is not None:
+                self._return(old)
+            asyncio.get_running_loop().call_later(book.settings.seconds, self._expire, grant)
+            if remaining is not None:
+                remaining += grant.requests
         return RateDecision(
             allowed=denied == 0,
             limit=limit,
@@ -303,6 +369,43 @@ class RateLimiter:
             oversized=bool(oversized),
             window=window,
         )
+
+    def _expire(self, grant: Grant) -> None:
+        if self._grants is not None and self._grants.take(grant):
+            self._return(grant)
+
+    def _return(self, grant: Grant) -> None:
+        """Give back what ``grant`` has left, in the background. A give-back that fails leaves the window counted
+        high until it ends, as any lost reply does: counts only ever err upwards."""
+        if grant.requests == 0 and grant.tokens == 0:
+            return
+        requests, tokens, grant.requests, grant.tokens = grant.requests, grant.tokens, 0, 0
+        org_id, agent_id, limits = cast(tuple[UUID, UUID, RateLimits], grant.key)
+        keys = TenantKeys(org_id)
+
+        async def give_back() -> None:
+            with contextlib.suppress(*_REDIS_FAILURES):
+                await self._give_back(
+                    keys=[keys.agent_rate_window(agent_id), keys.org_rate_window()],
+                    args=[grant.window, requests, tokens, "1" if limits.limits_agent else "0",
+                          "1" if limits.limits_org else "0"],
+                )  # fmt: skip
+
+        task = asyncio.get_running_loop().create_task(give_back(), name="ibex-rate-grant-return")
+        self._returns.add(task)
+        task.add_done_callback(self._returns.discard)
+
+    @property
+    def open_grants(self) -> int:
+        return self._grants.open if self._grants is not None else 0
+
+    async def close(self) -> None:
+        """At shutdown: give back what every grant has left, and wait for it."""
+        if self._grants is not None:
+            for grant in self._grants.take_all():
+                self._return(grant)
+        while self._returns:
+            await asyncio.gather(*self._returns, return_exceptions=True)
 
     async def adjust_tokens(
         self, org_id: UUID, agent_id: UUID, limits: RateLimits, delta: int, *, window: int | None = None

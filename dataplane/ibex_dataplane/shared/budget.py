@@ -321,10 +321,24 @@ class BudgetService:
         org_id, agent_id, _ = lease.key
 
         async def give_back() -> None:
-            try:
-                await self._repo.release_hold(org_id, agent_id, lease.id)
-            except Exception as e:
-                log.warning("budget lease not returned (%s); it expires after the hold ttl", type(e).__name__)
+            # Retried while Postgres is away, as settles are: an unreturned lease keeps its remainder from every
+            # other request until it expires. Shutdown stops the retries (the sweeper then frees it).
+            delay = 0.05
+            give_up = asyncio.get_running_loop().time() + self._settle_retry_for
+            while True:
+                try:
+                    await self._repo.release_hold(org_id, agent_id, lease.id)
+                    return
+                except StoreUnavailable as e:
+                    if self._closing.is_set() or asyncio.get_running_loop().time() + delay > give_up:
+                        log.warning("budget lease not returned (%s); it expires after the hold ttl", type(e).__name__)
+                        return
+                except Exception as e:
+                    log.warning("budget lease not returned (%s); it expires after the hold ttl", type(e).__name__)
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closing.wait(), delay)
+                delay = min(delay * 2, 5.0)
 
         self._track(give_back())
 

@@ -1,0 +1,165 @@
+"""Rate-limit grants against a real Valkey (docs/budget-leases.md): a busy agent's admission counts a grant, later
+requests are drawn from it with no Redis call, the rest goes back, and near a limit every request is counted
+alone, so limits stay exact across replicas.
+
+Clocks are injected (as in test_ratelimit), so grants age by the clock moving; `close()` is the shutdown that gives
+back what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from ibex_dataplane.proxy.rate_grants import GrantSettings
+from ibex_dataplane.proxy.ratelimit import RateDecision, RateLimiter, RateLimits
+from ibex_dataplane.runtime.embedded import RuntimeInfo
+from ibex_dataplane.store.keys import TenantKeys
+from ibex_dataplane.store.redis import create_redis
+
+WINDOW_START = 1_800_000_000.0
+ROOMY = RateLimits(agent_rpm=1000, agent_tpm=1_000_000, org_rpm=None, org_tpm=None)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = WINDOW_START + 1.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest_asyncio.fixture
+async def redis(runtime_info: RuntimeInfo) -> AsyncIterator[aioredis.Redis]:
+    client = create_redis(runtime_info.redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def granting(redis: aioredis.Redis, clock: FakeClock, requests: int = 8) -> RateLimiter:
+    return RateLimiter(redis, clock=clock, grants=GrantSettings(requests, seconds=30))
+
+
+async def counts(redis: aioredis.Redis, org: uuid.UUID, agent: uuid.UUID) -> tuple[int, int]:
+    raw = await redis.hmget(TenantKeys(org).agent_rate_window(agent), ["r", "t"])
+    return int(raw[0] or 0), int(raw[1] or 0)
+
+
+async def admit(limiter: RateLimiter, org: uuid.UUID, agent: uuid.UUID, limits: RateLimits, n: int, tokens: int = 10
+                ) -> list[RateDecision]:  # fmt: skip
+    return [await limiter.admit(org, agent, limits, tokens) for _ in range(n)]
+
+
+async def test_a_busy_agent_is_admitted_from_a_grant_and_the_rest_goes_back_at_close(
+    redis: aioredis.Redis, clock: FakeClock
+) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = granting(redis, clock)
+    first, second = await admit(limiter, org, agent, ROOMY, 2)
+    assert await counts(redis, org, agent) == (9, 90)  # the first alone, then a grant of 8 with the second in it
+    drawn = await admit(limiter, org, agent, ROOMY, 3)
+    assert await counts(redis, org, agent) == (9, 90)  # drawn here: Redis did not see them
+    decisions = [first, second, *drawn]
+    assert all(d.allowed for d in decisions)
+    assert [d.remaining for d in decisions] == [999, 998, 997, 996, 995]  # one process: the exact count
+    assert {d.window for d in decisions} == {first.window} and {d.limit for d in decisions} == {1000}
+    assert limiter.open_grants == 1
+    await limiter.close()
+    assert await counts(redis, org, agent) == (5, 50) and limiter.open_grants == 0
+
+
+async def test_near_a_limit_every_request_is_counted_alone_and_the_limit_is_exact(
+    redis: aioredis.Redis, clock: FakeClock
+) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = granting(redis, clock)
+    tight = RateLimits(agent_rpm=20, agent_tpm=None, org_rpm=None, org_tpm=None)  # a grant of 8 needs 32 free
+    decisions = await admit(limiter, org, agent, tight, 22)
+    assert [d.allowed for d in decisions] == [True] * 20 + [False] * 2
+    assert [d.remaining for d in decisions[:20]] == list(range(19, -1, -1))
+    assert limiter.open_grants == 0 and await counts(redis, org, agent) == (20, 200)
+
+
+async def test_a_grant_is_not_drawn_from_after_its_time_or_near_its_windows_end(
+    redis: aioredis.Redis, clock: FakeClock
+) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = granting(redis, clock)
+    await admit(limiter, org, agent, ROOMY, 2)
+    clock.now += 30  # the grant's 30 s are up: the next request goes to Redis (alone: the agent was idle 30 s)
+    await admit(limiter, org, agent, ROOMY, 1)
+    assert await counts(redis, org, agent) == (10, 100)
+    await limiter.close()  # the old grant's 7 go back
+    assert await counts(redis, org, agent) == (3, 30)
+
+    clock.now = WINDOW_START + 60 - 0.01  # a new grant in the window's last 10 ms
+    await admit(limiter, org, agent, ROOMY, 1)
+    assert await counts(redis, org, agent) == (11, 110)
+    clock.now = WINDOW_START + 60 - 0.001  # inside the clock margin: counted in Redis, not drawn
+    late = await limiter.admit(org, agent, ROOMY, 10)
+    assert late.allowed and (await counts(redis, org, agent))[0] > 11
+    await limiter.close()
+    assert await counts(redis, org, agent) == (5, 50)
+
+
+async def test_a_request_larger_than_what_the_grant_has_left_goes_to_redis(
+    redis: aioredis.Redis, clock: FakeClock
+) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = granting(redis, clock)
+    await admit(limiter, org, agent, ROOMY, 2, tokens=10)  # a grant of 8 requests and 80 tokens
+    big = await limiter.admit(org, agent, ROOMY, 500)
+    assert big.allowed
+    # Counted in Redis with a new grant of 8 x 500 tokens; the old grant's 7 requests and 70 tokens went back.
+    await limiter.close()
+    assert await counts(redis, org, agent) == (3, 520)
+
+
+async def test_another_agent_or_org_draws_nothing_from_a_grant(redis: aioredis.Redis, clock: FakeClock) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = granting(redis, clock)
+    await admit(limiter, org, agent, ROOMY, 2)
+    other_agent, other_org = uuid.uuid4(), uuid.uuid4()
+    await admit(limiter, org, other_agent, ROOMY, 1)
+    await admit(limiter, other_org, agent, ROOMY, 1)
+    assert await counts(redis, org, other_agent) == (1, 10)
+    assert await counts(redis, other_org, agent) == (1, 10)
+    assert await counts(redis, org, agent) == (9, 90)
+    await limiter.close()
+
+
+async def test_two_granting_replicas_never_admit_more_than_the_limit(
+    runtime_info: RuntimeInfo, redis: aioredis.Redis, clock: FakeClock
+) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    clients = [create_redis(runtime_info.redis_url) for _ in range(2)]
+    try:
+        replicas = [granting(c, clock) for c in clients]
+        limits = RateLimits(agent_rpm=100, agent_tpm=None, org_rpm=None, org_tpm=None)
+
+        async def one(i: int) -> bool:
+            return (await replicas[i % 2].admit(org, agent, limits, 10)).allowed
+
+        admitted = 0
+        for _ in range(10):  # waves of concurrent requests over both replicas
+            admitted += sum(await asyncio.gather(*(one(i) for i in range(30))))
+        # Exact on the high side always; each replica may hold back at most one grant's rest (7) meanwhile.
+        assert 100 - 2 * 7 <= admitted <= 100
+        for replica in replicas:
+            await replica.close()
+        assert (await counts(redis, org, agent))[0] == admitted
+    finally:
+        for c in clients:
+            await c.aclose()
