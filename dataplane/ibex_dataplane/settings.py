@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     )
 
     rate_grant_requests: int = Field(
-        default=0,
+        default=32,
         ge=0,
         le=10000,
         description=(

@@ -34,9 +34,10 @@ def test_a_draw_takes_from_the_balance_and_never_more_than_is_left() -> None:
     book, lease, _ = book_with_lease("0.25")
     assert book.draw(KEY, "p", D("0.10")) == (lease, [])
     assert book.draw(KEY, "p", D("0.10")) == (lease, [])
-    assert book.draw(KEY, "p", D("0.10")) == (None, [])  # 0.05 left
     assert (lease.balance, lease.outstanding) == (D("0.05"), 2)
-    assert book.draw(KEY, "p", D("0.05"))[0] is lease and lease.balance == 0
+    # 0.05 left, less than a request like the last one: the lease is spent, and goes back after its two draws
+    assert lease.retired and book.draw(KEY, "p", D("0.05")) == (None, [])
+    assert book.done(lease.id) is None and book.done(lease.id) is lease and book.open == 0
 
 
 def test_another_agent_or_month_draws_nothing() -> None:
@@ -89,8 +90,10 @@ def test_an_agent_is_busy_after_a_second_hold_within_the_window_unless_a_lease_w
 
 def test_low_means_under_a_quarter_left() -> None:
     book, lease, _ = book_with_lease("1.00")
-    book.draw(KEY, "p", D("0.75"))
-    assert not book.low(lease)
+    book.draw(KEY, "p", D("0.25"))
+    book.draw(KEY, "p", D("0.25"))
+    book.draw(KEY, "p", D("0.25"))
+    assert not book.low(lease) and not lease.retired  # 0.25 left: a quarter
     book.draw(KEY, "p", D("0.01"))
     assert book.low(lease)
 

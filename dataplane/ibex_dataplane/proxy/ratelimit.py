@@ -21,6 +21,17 @@ burst straddling a boundary can see up to twice the limit within one sliding 60 
 upwards: a script that ran but whose reply was lost (timeout, cancellation, a client retry after a timeout) is
 counted although the caller saw an error.
 
+Grants (``grants=``, off unless configured; docs/budget-leases.md): when an agent is busy in this process (two
+requests within the grant's seconds), the admit script may count a grant of N requests, and N times this request's
+token estimate, instead of the one request. It does so only when every limited tier keeps ``1 + reserve`` grants
+free beside it, so near a limit every request is counted alone, as above. The process then admits the agent's next
+requests from the grant with no Redis call, for at most the grant's seconds and never past its window's end (less a
+50 ms margin for the clock), and gives back what is left to that window. So the guarantee above stands for
+admissions (what is counted is never above a limit); what changes is that a request may be denied while another
+process holds an unused grant, for at most the grant's seconds, and the ``X-RateLimit-Remaining`` of a drawn
+request is the count as of its grant. Requests drawn from a grant are admitted while Redis is unreachable, since
+Redis counted them already.
+
 Clock: by default the script reads the Redis server's ``TIME`` (allowed in scripts since Redis 5, which replicate
 script effects), so every replica uses one clock and agrees on window boundaries and ``Retry-After`` whatever its
 own clock says. A ``clock`` callable can be injected instead (tests move time that way); its value is sent with
@@ -298,6 +309,7 @@ class RateLimiter:
         self._give_back = redis.register_script(_GIVE_BACK_LUA)
         self._grants = GrantBook(grants) if grants is not None else None
         self._returns: set[asyncio.Task[None]] = set()
+        self._granting: dict[tuple[UUID, UUID, RateLimits], asyncio.Future[None]] = {}  # grants being counted
 
     def _local_now(self) -> float:
         return self._clock() if self._clock is not None else time.monotonic()
@@ -307,7 +319,8 @@ class RateLimiter:
 
     async def admit(self, org_id: UUID, agent_id: UUID, limits: RateLimits, tokens: int) -> RateDecision:
         """Count one request and ``tokens`` (the conservative estimate: prompt plus maximum output) against every
-        limited tier, or count nothing and deny. One Redis round trip; none at all when nothing is limited."""
+        limited tier, or count nothing and deny. One Redis round trip; none at all when nothing is limited, or
+        when the request is drawn from a grant this process holds for the agent (with grants on)."""
         if tokens < 0:
             raise ValueError(f"tokens must be non-negative, got {tokens}")
         if limits.unlimited:
@@ -315,15 +328,39 @@ class RateLimiter:
             return RateDecision(True, None, None, WINDOW_SECONDS - now % WINDOW_SECONDS, None, None)
         book, key, grant_size = self._grants, (org_id, agent_id, limits), 0
         if book is not None:
-            now = self._local_now()
-            grant = book.draw(key, tokens, now)
-            if grant is not None:
-                return RateDecision(
-                    True, grant.limit, None if grant.remaining is None else grant.remaining + grant.requests,
-                    max(0.0, grant.window_ends - now), None, None, window=grant.window,
-                )  # fmt: skip
-            if book.seen(key, now):
+            busy = book.seen(key, self._local_now())
+            drawn = self._draw(key, tokens)
+            if drawn is None and (pending := self._granting.get(key)) is not None:
+                await asyncio.shield(pending)  # a grant is being counted for this agent: draw from it if it came
+                drawn = self._draw(key, tokens)
+            if drawn is not None:
+                return drawn
+            if busy and key not in self._granting:
                 grant_size = book.settings.requests
+        if grant_size:
+            granting = self._granting[key] = asyncio.get_running_loop().create_future()
+            try:
+                return await self._count(org_id, agent_id, limits, tokens, grant_size)
+            finally:
+                del self._granting[key]
+                granting.set_result(None)
+        return await self._count(org_id, agent_id, limits, tokens, 0)
+
+    def _draw(self, key: tuple[UUID, UUID, RateLimits], tokens: int) -> RateDecision | None:
+        assert self._grants is not None
+        now = self._local_now()
+        grant = self._grants.draw(key, tokens, now)
+        if grant is None:
+            return None
+        remaining = None if grant.remaining is None else grant.remaining + grant.requests
+        return RateDecision(True, grant.limit, remaining, max(0.0, grant.window_ends - now), None, None,
+                            window=grant.window)  # fmt: skip
+
+    async def _count(
+        self, org_id: UUID, agent_id: UUID, limits: RateLimits, tokens: int, grant_size: int
+    ) -> RateDecision:
+        """The admit script: this request counted alone, or with a grant of ``grant_size`` when one fits."""
+        book, key = self._grants, (org_id, agent_id, limits)
         keys = TenantKeys(org_id)
         try:
             raw = await self._admit(

@@ -82,6 +82,8 @@ class LeaseBook:
                 lease.balance -= amount
                 lease.outstanding += 1
                 drawn = lease
+                if lease.balance < amount:  # spent for requests like this one: it goes back after its last draw
+                    lease.retired = True
         return drawn, [lease for lease in retired if self._returnable(lease)]
 
     def now(self) -> float:
