@@ -288,3 +288,20 @@ async def test_two_leasing_replicas_together_never_overspend(
     # With every lease back, the rest of the cap is still there, request by request.
     rest = [await one(0) for _ in range(60)]
     assert len(admitted) + sum(h is not None for h in rest) == 50
+
+
+async def test_a_steady_stream_keeps_one_lease_ahead_and_no_more(stores: Stores, tenant: Tenant, tick: Tick) -> None:
+    org, alpha = tenant.org_id, tenant.agents["alpha"]
+    budgets = leasing(stores.db, tick)
+    open_counts = []
+    for _ in range(100):
+        hold = await budgets.hold(org, alpha, rid(), D("0.001"), ROOMY)
+        await settle(budgets, hold, D("0.001"))
+        open_counts.append(budgets.open_leases)
+    # Leases of ten: about one per ten requests, the next one placed when the current one runs low.
+    assert max(open_counts) <= 2
+    leases = [r for r in await holds(stores, org) if r["request_id"].startswith("lease_")]
+    assert 9 <= len(leases) <= 11
+    await budgets.drain()
+    await books_balance(stores, budgets, org, alpha)
+    assert await totals(budgets, org, alpha) == {"org": (D("0.100"), 0), "agent": (D("0.100"), 0)}

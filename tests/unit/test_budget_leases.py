@@ -88,7 +88,7 @@ def test_an_agent_is_busy_after_a_second_hold_within_the_window_unless_a_lease_w
     assert book.seen(KEY) is True
 
 
-def test_low_means_under_a_quarter_left() -> None:
+def test_low_means_under_a_quarter_left_and_no_next_lease_yet() -> None:
     book, lease, _ = book_with_lease("1.00")
     book.draw(KEY, "p", D("0.25"))
     book.draw(KEY, "p", D("0.25"))
@@ -96,6 +96,8 @@ def test_low_means_under_a_quarter_left() -> None:
     assert not book.low(lease) and not lease.retired  # 0.25 left: a quarter
     book.draw(KEY, "p", D("0.01"))
     assert book.low(lease)
+    book.add(Lease(uuid4(), KEY, "p", D("1.00"), 0.0))
+    assert not book.low(lease)  # the next one is there already
 
 
 @pytest.mark.parametrize(

@@ -101,8 +101,11 @@ class LeaseBook:
         return last is not None and now - last < self.settings.seconds
 
     def low(self, lease: Lease) -> bool:
-        """True when ``lease`` has less than a quarter left: time to place the next one."""
-        return lease.balance * 4 < lease.amount
+        """True when ``lease`` has less than a quarter left and is its agent's last live lease: time to place the
+        next one (once: the next one is live as soon as it is placed)."""
+        if lease.balance * 4 >= lease.amount:
+            return False
+        return not any(other is not lease and not other.retired for other in self._leases.get(lease.key, ()))
 
     def add(self, lease: Lease) -> None:
         self._leases.setdefault(lease.key, []).append(lease)
