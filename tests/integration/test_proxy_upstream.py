@@ -71,6 +71,29 @@ async def test_json_chat_passes_unknown_fields_and_injects_the_directive(
     assert tenant.keys["alpha"] not in str(upstream.headers[-1])
 
 
+async def test_a_cookie_one_tenants_upstream_answer_set_never_rides_on_another_tenants_call(
+    settings: Settings, stores: Stores, pepper: bytes, upstream: Upstream, tenants: TenantFactory
+) -> None:
+    """The provider client is shared by every tenant of the process, so it keeps no cookies: a provider (or a sticky
+    load balancer in front of it) that sets one for org A must not see it again on org B's request. (By a host
+    name: a cookie jar keeps no cookies of a bare IP address at all.)"""
+    by_name = upstream.url.replace("127.0.0.1", "localhost")
+    config = {
+        "models": [{"name": "up-model", "provider": "local", "context_window": 8192, "max_output_tokens": 1024,
+                    "input_price_per_mtok": "1", "output_price_per_mtok": "2"}],
+        "providers": {"local": {"type": "openai_compat", "base_url": by_name, "api_key": API_KEY}},
+    }  # fmt: skip
+    a = await tenants.create(directive=None)
+    b = await tenants.create(directive=None)
+    upstream.reset(Script(set_cookie="affinity=org-a-secret; Path=/"))
+    async with running_proxy(settings, stores, pepper, provider_config=config) as proxy:
+        for t in (a, b):
+            async with sdk(proxy, t) as ai:
+                await ai.chat.completions.create(model="up-model", messages=[{"role": "user", "content": "hi"}])
+    assert len(upstream.headers) == 2
+    assert "Cookie" not in upstream.headers[1] and "org-a-secret" not in str(upstream.headers[1])
+
+
 async def test_streaming_passes_chunks_through(gateway: RunningProxy, tenant: Tenant) -> None:
     async with sdk(gateway, tenant) as ai:
         stream = await ai.chat.completions.create(

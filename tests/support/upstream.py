@@ -55,6 +55,7 @@ class Script:
     delay: float = 0.0  # seconds before the first byte of every answer
     chunk_interval: float = 0.0  # seconds between stream events
     answers: list[str] = field(default_factory=list)  # contents of the next JSON answers, in order (then the default)
+    set_cookie: str | None = None  # a Set-Cookie header on every JSON answer (a provider behind a sticky balancer)
 
 
 @dataclass
@@ -137,7 +138,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         }
         if not script.omit_usage:
             answer["usage"] = UPSTREAM_USAGE
-        return web.json_response(answer)
+        cookie = {"Set-Cookie": script.set_cookie} if script.set_cookie else None
+        return web.json_response(answer, headers=cookie)
 
     include_usage = bool((body.get("stream_options") or {}).get("include_usage")) and not script.omit_usage
     extra = {"usage": None} if include_usage else {}

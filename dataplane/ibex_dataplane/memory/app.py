@@ -153,7 +153,7 @@ def create_memory_app(
     app[CAPTURE] = capture
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        session = aiohttp.ClientSession()
+        session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())  # shared by every tenant: no cookies
         extractor.registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
         outbox.start()
         if settings.memory_capture_worker:

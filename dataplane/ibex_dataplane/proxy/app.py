@@ -198,7 +198,9 @@ def create_app(
     local_embedder = LocalEmbedder(catalog, embedder, _load_embedder)
 
     async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
-        session = aiohttp.ClientSession()
+        # No cookie jar: this client serves every tenant, so a cookie one tenant's provider answer sets must never
+        # go out with another tenant's call (and the jar's work per request is saved).
+        session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
         registry = ProviderRegistry.from_config(
             provider_config or {}, catalog, session, builtin={local_embedder.name: local_embedder}
         )
