@@ -331,10 +331,13 @@ def _durability(settings: dict[str, str]) -> str:
     return ", ".join(f"{k} = {v}" for k, v in settings.items())
 
 
-def machine_paths_hidden(text: str, tmp: str) -> str:
-    """The report is committed: the paths of this machine in commands, outputs and tracebacks become names."""
-    for path, name in ((tmp, "<tmp>"), (str(REPO), "<repo>"), (sys.base_prefix, "<python>"), (sys.prefix, "<venv>"),
-                       (str(Path.home()), "~")):  # fmt: skip
+def machine_paths_hidden(text: str, tmp: str, litellm: str | None = None) -> str:
+    """The report is committed: the paths of this machine in commands, outputs and tracebacks become names (LiteLLM's
+    executable: ``PATH/TO/litellm``)."""
+    named = [(tmp, "<tmp>"), (str(REPO), "<repo>"), (sys.base_prefix, "<python>"), (sys.prefix, "<venv>")]
+    if litellm:
+        named.insert(0, (litellm, "PATH/TO/litellm"))
+    for path, name in [*named, (str(Path.home()), "~")]:
         text = text.replace(path, name)
     return re.sub(r"/tmp/ibex-[A-Za-z0-9_-]+", "<tmp>", text)  # scratch folders, also of the runs a report kept
 
@@ -369,8 +372,10 @@ def main() -> None:
     images = plots(results, prefix)
     document = {"environment": env, "targets": rows, "benchmarks": results}
     text = json.dumps(document, indent=1, default=str) + "\n"
-    prefix.with_suffix(".json").write_text(machine_paths_hidden(text, scratch))
-    prefix.with_suffix(".md").write_text(machine_paths_hidden(markdown(env, results, rows, images), scratch))
+    prefix.with_suffix(".json").write_text(machine_paths_hidden(text, scratch, args.litellm))
+    prefix.with_suffix(".md").write_text(
+        machine_paths_hidden(markdown(env, results, rows, images), scratch, args.litellm)
+    )
     print(f"wrote {prefix.with_suffix('.md')} and {prefix.with_suffix('.json')}", flush=True)
     failed = [name for name, res in results.items() if res["exit"] != 0]
     if failed:

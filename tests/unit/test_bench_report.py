@@ -108,3 +108,6 @@ def test_the_machine_s_paths_do_not_reach_the_committed_report() -> None:
 
     text = f"{REPO}/bench/x.py {sys.base_prefix}/lib/a.py /tmp/ibex-report-ab_12/proxy.json /tmp/now/y.json"
     assert machine_paths_hidden(text, "/tmp/now") == "<repo>/bench/x.py <python>/lib/a.py <tmp>/proxy.json <tmp>/y.json"
+    assert machine_paths_hidden("--litellm /opt/x/bin/litellm", "/tmp/now", "/opt/x/bin/litellm") == (
+        "--litellm PATH/TO/litellm"
+    )
