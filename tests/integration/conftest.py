@@ -1,4 +1,5 @@
-"""Fixtures for tests that drive the proxy (and the memory stage behind it) over HTTP."""
+"""Fixtures for tests that drive the proxy (and the memory stage behind it) over HTTP, and the store clients that
+several test modules open beside the session's stores."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.settings import Settings
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+    from ibex_dataplane.runtime.embedded import RuntimeInfo
+    from ibex_dataplane.store.postgres import Database
     from tests.support.proxy import MemoryDeps, RunningProxy
     from tests.support.upstream import Upstream
 
@@ -74,3 +79,27 @@ async def second_proxy(settings: Settings, stores: Stores, pepper: bytes) -> Asy
 
     async with running_proxy(settings, stores, pepper) as running:
         yield running
+
+
+@pytest_asyncio.fixture
+async def redis(runtime_info: RuntimeInfo) -> AsyncIterator[aioredis.Redis]:
+    """A client of the session's Valkey of its own."""
+    from ibex_dataplane.store.redis import create_redis
+
+    client = create_redis(runtime_info.redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest_asyncio.fixture
+async def second_replica(runtime_info: RuntimeInfo) -> AsyncIterator[Database]:
+    """Another data-plane pool on the same Postgres, as a second proxy replica would have."""
+    from ibex_dataplane.store.postgres import Database, create_pool
+
+    pool = await create_pool(runtime_info.postgres_app_dsn, min_size=1, max_size=10, application_name="replica-2")
+    try:
+        yield Database(pool)
+    finally:
+        await pool.close()

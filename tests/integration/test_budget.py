@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 
 from ibex_dataplane.runtime import embedded
-from ibex_dataplane.runtime.embedded import ADMIN_ROLE, APP_ROLE, EmbeddedPostgres, RuntimeInfo
+from ibex_dataplane.runtime.embedded import ADMIN_ROLE, APP_ROLE, EmbeddedPostgres
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.shared.budget import (
     BudgetExceeded,
@@ -426,16 +426,6 @@ async def test_fifty_concurrent_holds_never_overspend_a_hard_cap(
     entries = await ledger(stores, org)
     assert len(entries) == 10 and sum(r["cost_usd"] for r in entries) == D("1.00")
     await reconcile(stores, org)
-
-
-@pytest_asyncio.fixture
-async def second_replica(runtime_info: RuntimeInfo) -> AsyncIterator[Database]:
-    """Another data-plane pool on the same Postgres, as a second proxy replica would have."""
-    pool = await create_pool(runtime_info.postgres_app_dsn, min_size=1, max_size=10, application_name="replica-2")
-    try:
-        yield Database(pool)
-    finally:
-        await pool.close()
 
 
 async def test_two_replicas_together_never_overspend_the_agent_or_the_org(

@@ -8,7 +8,6 @@ aging is the clock moving, and shutdown (``drain``) returns what is left.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from decimal import Decimal
 from uuid import UUID
@@ -17,7 +16,6 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.shared.budget import (
     BudgetExceeded,
@@ -27,8 +25,9 @@ from ibex_dataplane.shared.budget import (
     Enforcement,
     LeaseSettings,
 )
-from ibex_dataplane.store.postgres import Database, create_pool
+from ibex_dataplane.store.postgres import Database
 from tests.support.budget import AGENT_SPEC, HARD, ORG_SPEC, D, ledger, rid, totals
+from tests.support.clocks import HandClock
 from tests.support.tenants import Tenant, TenantFactory
 from tests.support.waiting import until
 
@@ -36,22 +35,13 @@ CENT = D("0.01")
 ROOMY = BudgetPolicy(org_limit_usd=D("5.00"), agent_limit_usd=D("5.00"), enforcement=Enforcement.HARD_CAP)
 
 
-class Tick:
-    """The leases' monotonic clock, moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def tick() -> Tick:
-    return Tick()
+def tick() -> HandClock:
+    """The leases' monotonic clock."""
+    return HandClock(1000.0)
 
 
-def leasing(db: Database, tick: Tick, requests: int = 10, **kw: object) -> BudgetService:
+def leasing(db: Database, tick: HandClock, requests: int = 10, **kw: object) -> BudgetService:
     return BudgetService(db, leases=LeaseSettings(requests, seconds=60), lease_clock=tick, **kw)  # type: ignore[arg-type]
 
 
@@ -95,7 +85,7 @@ async def settle(budgets: BudgetService, hold: BudgetHold, actual: Decimal) -> N
 
 
 async def test_a_busy_agent_draws_from_one_lease_and_each_request_is_settled_by_its_own_id(
-    stores: Stores, tenant: Tenant, tick: Tick
+    stores: Stores, tenant: Tenant, tick: HandClock
 ) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = leasing(stores.db, tick)
@@ -126,7 +116,7 @@ async def test_a_busy_agent_draws_from_one_lease_and_each_request_is_settled_by_
 
 
 async def test_a_draw_settled_twice_counts_once_and_a_failed_one_costs_nothing(
-    stores: Stores, tenant: Tenant, tick: Tick
+    stores: Stores, tenant: Tenant, tick: HandClock
 ) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = leasing(stores.db, tick)
@@ -143,7 +133,7 @@ async def test_a_draw_settled_twice_counts_once_and_a_failed_one_costs_nothing(
 
 
 async def test_a_lease_that_aged_goes_back_after_its_last_draw_is_settled(
-    stores: Stores, tenant: Tenant, tick: Tick
+    stores: Stores, tenant: Tenant, tick: HandClock
 ) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = leasing(stores.db, tick)
@@ -162,7 +152,7 @@ async def test_a_lease_that_aged_goes_back_after_its_last_draw_is_settled(
 
 
 async def test_near_the_limit_a_lease_is_refused_and_the_last_of_the_budget_goes_request_by_request(
-    stores: Stores, tenant: Tenant, tick: Tick
+    stores: Stores, tenant: Tenant, tick: HandClock
 ) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = leasing(stores.db, tick)
@@ -176,7 +166,7 @@ async def test_near_the_limit_a_lease_is_refused_and_the_last_of_the_budget_goes
     await books_balance(stores, budgets, org, alpha)
 
 
-async def test_a_lease_takes_at_most_a_quarter_of_what_is_left(stores: Stores, tenant: Tenant, tick: Tick) -> None:
+async def test_a_lease_takes_at_most_a_quarter_of_what_is_left(stores: Stores, tenant: Tenant, tick: HandClock) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = leasing(stores.db, tick)
     # 0.50 left on the agent: a lease of 0.10 (10 x 0.01) needs 0.40 free with its reserve, so it fits once.
@@ -190,7 +180,7 @@ async def test_a_lease_takes_at_most_a_quarter_of_what_is_left(stores: Stores, t
     await books_balance(stores, budgets, org, alpha)
 
 
-async def test_a_new_policy_is_not_drawn_under_an_old_lease(stores: Stores, tenant: Tenant, tick: Tick) -> None:
+async def test_a_new_policy_is_not_drawn_under_an_old_lease(stores: Stores, tenant: Tenant, tick: HandClock) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = leasing(stores.db, tick)
     await budgets.hold(org, alpha, rid(), CENT, HARD)
@@ -208,7 +198,7 @@ async def test_a_new_policy_is_not_drawn_under_an_old_lease(stores: Stores, tena
     await books_balance(stores, budgets, org, alpha)
 
 
-async def test_alert_only_leases_only_within_the_limits(stores: Stores, tenant: Tenant, tick: Tick) -> None:
+async def test_alert_only_leases_only_within_the_limits(stores: Stores, tenant: Tenant, tick: HandClock) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = leasing(stores.db, tick)
     alert = BudgetPolicy(org_limit_usd=D("1.00"), agent_limit_usd=D("0.05"), enforcement=Enforcement.ALERT_ONLY)
@@ -217,7 +207,9 @@ async def test_alert_only_leases_only_within_the_limits(stores: Stores, tenant: 
     assert [h.over_budget for h in held] == [False] * 5 + [True] * 3
 
 
-async def test_a_settle_after_the_lease_expired_is_counted_once(stores: Stores, tenant: Tenant, tick: Tick) -> None:
+async def test_a_settle_after_the_lease_expired_is_counted_once(
+    stores: Stores, tenant: Tenant, tick: HandClock
+) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     crashing = leasing(stores.db, tick, hold_ttl=timedelta(0))  # its lease expires at once, as if its process died
     await crashing.hold(org, alpha, rid(), CENT, HARD)
@@ -233,7 +225,7 @@ async def test_a_settle_after_the_lease_expired_is_counted_once(stores: Stores, 
 
 
 async def test_another_orgs_lease_is_neither_drawn_nor_settled(
-    stores: Stores, tenants: TenantFactory, tick: Tick
+    stores: Stores, tenants: TenantFactory, tick: HandClock
 ) -> None:
     a = await tenants.create(org_spec=ORG_SPEC, agent_spec=AGENT_SPEC, agents=("alpha",), directive=None)
     b = await tenants.create(org_spec=ORG_SPEC, agent_spec=AGENT_SPEC, agents=("alpha",), directive=None)
@@ -252,17 +244,8 @@ async def test_another_orgs_lease_is_neither_drawn_nor_settled(
     await books_balance(stores, budgets, b.org_id, b.agents["alpha"])
 
 
-@pytest_asyncio.fixture
-async def second_replica(runtime_info: RuntimeInfo) -> AsyncIterator[Database]:
-    pool = await create_pool(runtime_info.postgres_app_dsn, min_size=1, max_size=10, application_name="replica-2")
-    try:
-        yield Database(pool)
-    finally:
-        await pool.close()
-
-
 async def test_two_leasing_replicas_together_never_overspend(
-    stores: Stores, second_replica: Database, tenant: Tenant, tick: Tick
+    stores: Stores, second_replica: Database, tenant: Tenant, tick: HandClock
 ) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     replicas = [leasing(stores.db, tick, requests=8), leasing(second_replica, tick, requests=8)]
@@ -290,7 +273,9 @@ async def test_two_leasing_replicas_together_never_overspend(
     assert len(admitted) + sum(h is not None for h in rest) == 50
 
 
-async def test_a_steady_stream_keeps_one_lease_ahead_and_no_more(stores: Stores, tenant: Tenant, tick: Tick) -> None:
+async def test_a_steady_stream_keeps_one_lease_ahead_and_no_more(
+    stores: Stores, tenant: Tenant, tick: HandClock
+) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = leasing(stores.db, tick)
     open_counts = []

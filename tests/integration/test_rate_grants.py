@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-import pytest_asyncio
 import redis.asyncio as aioredis
 
 from ibex_dataplane.proxy.rate_grants import GrantSettings
@@ -21,34 +19,18 @@ from ibex_dataplane.proxy.ratelimit import RateDecision, RateLimiter, RateLimits
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.store.keys import TenantKeys
 from ibex_dataplane.store.redis import create_redis
+from tests.support.clocks import HandClock
 
 WINDOW_START = 1_800_000_000.0
 ROOMY = RateLimits(agent_rpm=1000, agent_tpm=1_000_000, org_rpm=None, org_tpm=None)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = WINDOW_START + 1.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest_asyncio.fixture
-async def redis(runtime_info: RuntimeInfo) -> AsyncIterator[aioredis.Redis]:
-    client = create_redis(runtime_info.redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> HandClock:
+    return HandClock(WINDOW_START + 1.0)
 
 
-def granting(redis: aioredis.Redis, clock: FakeClock, requests: int = 8) -> RateLimiter:
+def granting(redis: aioredis.Redis, clock: HandClock, requests: int = 8) -> RateLimiter:
     return RateLimiter(redis, clock=clock, grants=GrantSettings(requests, seconds=30))
 
 
@@ -63,7 +45,7 @@ async def admit(limiter: RateLimiter, org: uuid.UUID, agent: uuid.UUID, limits: 
 
 
 async def test_a_busy_agent_is_admitted_from_a_grant_and_the_rest_goes_back_at_close(
-    redis: aioredis.Redis, clock: FakeClock
+    redis: aioredis.Redis, clock: HandClock
 ) -> None:
     org, agent = uuid.uuid4(), uuid.uuid4()
     limiter = granting(redis, clock)
@@ -81,7 +63,7 @@ async def test_a_busy_agent_is_admitted_from_a_grant_and_the_rest_goes_back_at_c
 
 
 async def test_near_a_limit_every_request_is_counted_alone_and_the_limit_is_exact(
-    redis: aioredis.Redis, clock: FakeClock
+    redis: aioredis.Redis, clock: HandClock
 ) -> None:
     org, agent = uuid.uuid4(), uuid.uuid4()
     limiter = granting(redis, clock)
@@ -93,7 +75,7 @@ async def test_near_a_limit_every_request_is_counted_alone_and_the_limit_is_exac
 
 
 async def test_a_grant_is_not_drawn_from_after_its_time_or_near_its_windows_end(
-    redis: aioredis.Redis, clock: FakeClock
+    redis: aioredis.Redis, clock: HandClock
 ) -> None:
     org, agent = uuid.uuid4(), uuid.uuid4()
     limiter = granting(redis, clock)
@@ -115,7 +97,7 @@ async def test_a_grant_is_not_drawn_from_after_its_time_or_near_its_windows_end(
 
 
 async def test_a_request_larger_than_what_the_grant_has_left_goes_to_redis(
-    redis: aioredis.Redis, clock: FakeClock
+    redis: aioredis.Redis, clock: HandClock
 ) -> None:
     org, agent = uuid.uuid4(), uuid.uuid4()
     limiter = granting(redis, clock)
@@ -127,7 +109,7 @@ async def test_a_request_larger_than_what_the_grant_has_left_goes_to_redis(
     assert await counts(redis, org, agent) == (3, 520)
 
 
-async def test_another_agent_or_org_draws_nothing_from_a_grant(redis: aioredis.Redis, clock: FakeClock) -> None:
+async def test_another_agent_or_org_draws_nothing_from_a_grant(redis: aioredis.Redis, clock: HandClock) -> None:
     org, agent = uuid.uuid4(), uuid.uuid4()
     limiter = granting(redis, clock)
     await admit(limiter, org, agent, ROOMY, 2)
@@ -141,7 +123,7 @@ async def test_another_agent_or_org_draws_nothing_from_a_grant(redis: aioredis.R
 
 
 async def test_two_granting_replicas_never_admit_more_than_the_limit(
-    runtime_info: RuntimeInfo, redis: aioredis.Redis, clock: FakeClock
+    runtime_info: RuntimeInfo, redis: aioredis.Redis, clock: HandClock
 ) -> None:
     org, agent = uuid.uuid4(), uuid.uuid4()
     clients = [create_redis(runtime_info.redis_url) for _ in range(2)]

@@ -8,11 +8,9 @@ import sys
 import textwrap
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import redis.asyncio as aioredis
 
 from ibex_dataplane.proxy.ratelimit import (
@@ -42,15 +40,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest_asyncio.fixture
-async def redis(runtime_info: RuntimeInfo) -> AsyncIterator[aioredis.Redis]:
-    client = create_redis(runtime_info.redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture

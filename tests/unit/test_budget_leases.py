@@ -9,21 +9,14 @@ from uuid import uuid4
 import pytest
 
 from ibex_dataplane.shared.budget_leases import Lease, LeaseBook, LeaseKey, LeaseSettings
+from tests.support.clocks import HandClock
 
 D = Decimal
 KEY: LeaseKey = (uuid4(), uuid4(), date(2026, 12, 1))
 
 
-class Tick:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def book_with_lease(amount: str = "1.00", policy: str = "p") -> tuple[LeaseBook, Lease, Tick]:
-    tick = Tick()
+def book_with_lease(amount: str = "1.00", policy: str = "p") -> tuple[LeaseBook, Lease, HandClock]:
+    tick = HandClock()
     book = LeaseBook(LeaseSettings(10, seconds=5), tick)
     lease = Lease(uuid4(), KEY, policy, D(amount), tick())
     book.add(lease)
@@ -76,7 +69,7 @@ def test_retire_all_returns_the_idle_leases_and_keeps_the_busy_ones_until_done()
 
 
 def test_an_agent_is_busy_after_a_second_hold_within_the_window_unless_a_lease_was_refused() -> None:
-    tick = Tick()
+    tick = HandClock()
     book = LeaseBook(LeaseSettings(10, seconds=5), tick)
     assert book.seen(KEY) is False
     tick.now = 4.9
