@@ -57,7 +57,8 @@ async def test_traces_and_usage_are_recorded_per_org(
 
     traces = await stores.clickhouse.query(
         org_query(
-            "SELECT status_code, error_code, model FROM llm_traces WHERE org_id = {org_id:UUID} ORDER BY ts, status_code",
+            "SELECT status_code, error_code, model FROM llm_traces WHERE org_id = {org_id:UUID}"
+            " ORDER BY ts, status_code",
             a.org_id,
         )
     )
