@@ -16,7 +16,7 @@ import signal
 import subprocess
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from decimal import Decimal
 from pathlib import Path
@@ -237,12 +237,17 @@ async def test_a_budget_for_ten_admits_ten_across_workers_and_usage_reports_them
 
 
 @asynccontextmanager
-async def gated_upstream() -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event]]:
-    """An OpenAI-format upstream whose answers wait for ``release``; ``arrived`` is set by the first request."""
-    arrived, release = asyncio.Event(), asyncio.Event()
+async def gated_upstream() -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event, list[int]]]:
+    """An OpenAI-format upstream whose answers wait for ``release``.
+
+    ``arrived`` is set by the first request; ``callers`` gets the client port of each request's connection.
+    """
+    arrived, release, callers = asyncio.Event(), asyncio.Event(), list[int]()
 
     async def chat(request: web.Request) -> web.Response:
         body = await request.json()
+        assert request.transport is not None
+        callers.append(request.transport.get_extra_info("peername")[1])
         arrived.set()
         await release.wait()
         return web.json_response({
@@ -258,10 +263,23 @@ async def gated_upstream() -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Ev
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1", arrived, release
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1", arrived, release, callers
     finally:
         release.set()
         await runner.cleanup()
+
+
+def owner_of_port(pids: Iterable[int], port: int) -> int:
+    """Which of ``pids`` holds the local TCP socket bound to ``port`` (read from ``/proc``)."""
+    inodes = set[str]()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    owners = [pid for pid in pids for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd) in inodes]
+    assert len(set(owners)) == 1, f"port {port} is held by {owners}"
+    return owners[0]
 
 
 async def refuses_connections(url: str) -> bool:
@@ -279,7 +297,7 @@ async def test_sigterm_lets_an_in_flight_request_finish_then_stops_every_worker_
     embedded: EmbeddedRuntime, stores: Stores, pepper: bytes, tenants: TenantFactory, tmp_path: Path
 ) -> None:
     url = await migrated_chdb(tmp_path / "clickhouse")
-    async with gated_upstream() as (upstream, arrived, release):
+    async with gated_upstream() as (upstream, arrived, release, callers):
         providers = tmp_path / "providers.json"
         providers.write_text(json.dumps({
             "models": [{"name": "gated", "provider": "gated", "context_window": 8192, "max_output_tokens": 64,
@@ -302,10 +320,12 @@ async def test_sigterm_lets_an_in_flight_request_finish_then_stops_every_worker_
 
                 in_flight = asyncio.create_task(slow())
                 await until(lambda: _is_set(arrived), "the request to reach the upstream")
+                busy = owner_of_port(pids, callers[0])
                 running.proc.send_signal(signal.SIGTERM)
-                # Both workers closed their listeners while one of them still holds the request open.
+                # Both workers closed their listeners while the busy one still holds the request open (the idle one
+                # may already have exited: it has nothing to wait for).
                 await until(lambda: refuses_connections(running.url), "every worker to stop listening")
-                assert running.proc.poll() is None and not any(is_gone(pid) for pid in pids)
+                assert running.proc.poll() is None and not is_gone(busy)
                 release.set()
                 status, reply = await in_flight
             assert status == 200 and reply["choices"][0]["message"]["content"] == "late"
