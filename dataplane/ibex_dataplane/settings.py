@@ -86,6 +86,16 @@ class Settings(BaseSettings):
         description="Rate-limit grants are drawn from for at most this long; the rest goes back.",
     )
 
+    settle_gather_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=1000,
+        description=(
+            "An agent's first served answer waits this long before its settle statement goes out, so that the"
+            " answers of a client sending one request after another are settled together; 0 sends it at once."
+        ),
+    )
+
     analytics_flush_seconds: float = Field(
         default=1.0, gt=0, description="How often buffered analytics rows are flushed to ClickHouse."
     )

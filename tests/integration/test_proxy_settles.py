@@ -129,3 +129,27 @@ async def test_one_statement_per_agent_is_in_flight_and_the_rest_waits_for_the_n
     spent = sum((Decimal("0.01") * (i + 1) for i in range(12)), Decimal(0))
     assert await period(stores, t.org_id, agent) == (spent, Decimal(0))
     assert await period(stores, t.org_id, t.org_id) == (spent, Decimal(0))
+
+
+async def test_with_a_gather_window_answers_arriving_one_after_another_share_one_statement(
+    tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(directive=None)
+    agent = t.agents["alpha"]
+    batch = await answers(stores, t, [f"g{i}" for i in range(5)])
+    tasks: set[asyncio.Task[object]] = set()
+
+    def spawn(name: str, coro: Coroutine[Any, Any, object]) -> None:
+        tasks.add(asyncio.ensure_future(coro))
+
+    settles = AnswerSettles(SessionService(stores.db), BudgetService(stores.db), spawn, lambda: None, gather_s=0.2)
+    settles.add(*batch[0])
+    await asyncio.sleep(0)  # the writer starts; without a window it would send the first answer alone here
+    for answer in batch[1:]:
+        settles.add(*answer)
+    while tasks:
+        await asyncio.gather(*tasks)
+        tasks = {task for task in tasks if not task.done()}
+    assert await transactions(stores, t.org_id) == 1
+    spent = sum((Decimal("0.01") * (i + 1) for i in range(5)), Decimal(0))
+    assert await period(stores, t.org_id, agent) == (spent, Decimal(0))

@@ -137,6 +137,7 @@ class Accounting:
         analytics: AnalyticsRecorder,
         background: BackgroundTasks,
         metrics: ProxyMetrics | None = None,
+        settle_gather_s: float = 0.0,
     ) -> None:
         self._metrics = metrics
         self._catalog = catalog
@@ -146,7 +147,9 @@ class Accounting:
         self.background = background
         self._rate_limiter = rate_limiter
         self.corrections = DeferredCorrections(rate_limiter, on_failure=self._corrections_lost)
-        self._answers = AnswerSettles(sessions, budgets, background.spawn, self._checkpoint_failed)
+        self._answers = AnswerSettles(
+            sessions, budgets, background.spawn, self._checkpoint_failed, gather_s=settle_gather_s
+        )
 
     def _corrections_lost(self, requests: int) -> None:
         if self._metrics is not None:

@@ -206,7 +206,7 @@ def create_app(
         )
         accounting = Accounting(
             catalog=catalog, budgets=budgets, rate_limiter=rate_limiter, sessions=sessions, analytics=analytics,
-            background=background, metrics=metrics,
+            background=background, metrics=metrics, settle_gather_s=settings.settle_gather_ms / 1000,
         )  # fmt: skip
         breaker_levels = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 

@@ -5,6 +5,10 @@ that agent that finish meanwhile wait and go together in the next one. An idle p
 before; a busy one sends a batch per commit, so the agent's and the org's budget rows, which every budget hold
 also takes, are locked once per batch instead of once per answer. Nothing here delays the answer itself.
 
+With a gather window (``IBEX_SETTLE_GATHER_MS``), an agent's first answer waits that long before its statement is
+sent, so that the answers of a client sending one request after another also go together (an idle proxy's
+answers then reach the ledger that much later; their holds cover them meanwhile).
+
 When a statement fails it is unknown whether it committed: each of its answers is settled again alone
 (idempotent, retried until Postgres is back, so no money is lost, :meth:`BudgetService.settle_again`), and its
 checkpoints, which are not idempotent, count as failed.
@@ -12,6 +16,7 @@ checkpoints, which are not idempotent, count as failed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -40,14 +45,16 @@ class AnswerSettles:
         on_checkpoint_failed: Callable[[], None],
         *,
         max_batch: int = MAX_BATCH,
+        gather_s: float = 0.0,
     ) -> None:
-        if max_batch < 1:
-            raise ValueError("max_batch must be positive")
+        if max_batch < 1 or gather_s < 0:
+            raise ValueError("max_batch must be positive and gather_s not negative")
         self._sessions = sessions
         self._budgets = budgets
         self._spawn = spawn
         self._checkpoint_failed = on_checkpoint_failed
         self._max_batch = max_batch
+        self._gather_s = gather_s
         self._waiting: dict[tuple[UUID, UUID], list[Answer]] = {}
 
     def add(self, settlement: Settlement, turn: Turn) -> None:
@@ -63,6 +70,8 @@ class AnswerSettles:
     async def _write_all(self, key: tuple[UUID, UUID]) -> None:
         waiting = self._waiting[key]
         try:
+            if self._gather_s > 0:
+                await asyncio.sleep(self._gather_s)  # the agent's next answers join this first statement
             while waiting:
                 batch = waiting[: self._max_batch]
                 del waiting[: self._max_batch]
