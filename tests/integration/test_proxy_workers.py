@@ -277,9 +277,16 @@ def owner_of_port(pids: Iterable[int], port: int) -> int:
             fields = line.split()
             if int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(f"socket:[{fields[9]}]")
-    owners = [pid for pid in pids for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd) in inodes]
+    owners = [pid for pid in pids for fd in Path(f"/proc/{pid}/fd").iterdir() if _link(fd) in inodes]
     assert len(set(owners)) == 1, f"port {port} is held by {owners}"
     return owners[0]
+
+
+def _link(fd: Path) -> str:
+    try:
+        return os.readlink(fd)
+    except FileNotFoundError:  # closed while listed
+        return ""
 
 
 async def refuses_connections(url: str) -> bool:
