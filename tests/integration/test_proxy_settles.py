@@ -103,27 +103,35 @@ async def test_a_failing_checkpoint_in_a_batch_leaves_every_settle_standing(
     assert await period(stores, t.org_id, agent) == (Decimal("0.03"), Decimal(0))
 
 
+class Spawned:
+    """A ``spawn`` for :class:`AnswerSettles` that keeps its tasks, and waits for them and what they spawn."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Future[object]] = set()
+
+    def __call__(self, name: str, coro: Coroutine[Any, Any, object]) -> None:
+        self.tasks.add(asyncio.ensure_future(coro))
+
+    async def drained(self) -> None:
+        while self.tasks:
+            await asyncio.gather(*self.tasks)
+            self.tasks = {task for task in self.tasks if not task.done()}
+
+
 async def test_one_statement_per_agent_is_in_flight_and_the_rest_waits_for_the_next(
     tenants: TenantFactory, stores: Stores
 ) -> None:
     t = await tenants.create(directive=None)
     agent = t.agents["alpha"]
     batch = await answers(stores, t, [f"s{i}" for i in range(12)])
-    tasks: set[asyncio.Task[object]] = set()
-    failed: list[str] = []
-
-    def spawn(name: str, coro: Coroutine[Any, Any, object]) -> None:
-        tasks.add(asyncio.ensure_future(coro))
-
+    spawn, failed = Spawned(), list[str]()
     budgets = BudgetService(stores.db)
     settles = AnswerSettles(SessionService(stores.db), budgets, spawn, lambda: failed.append("checkpoint"), max_batch=4)
     settles.add(*batch[0])
     await asyncio.sleep(0)  # the writer starts and takes the first answer alone
     for answer in batch[1:]:  # these arrive while it is in flight: 11 answers, at most 4 per statement
         settles.add(*answer)
-    while tasks:  # the writer and anything it spawned
-        await asyncio.gather(*tasks)
-        tasks = {task for task in tasks if not task.done()}
+    await spawn.drained()  # the writer and anything it spawned
     assert failed == []
     assert await transactions(stores, t.org_id) == 4  # 1, then 4, 4 and 3
     spent = sum((Decimal("0.01") * (i + 1) for i in range(12)), Decimal(0))
@@ -137,19 +145,13 @@ async def test_with_a_gather_window_answers_arriving_one_after_another_share_one
     t = await tenants.create(directive=None)
     agent = t.agents["alpha"]
     batch = await answers(stores, t, [f"g{i}" for i in range(5)])
-    tasks: set[asyncio.Task[object]] = set()
-
-    def spawn(name: str, coro: Coroutine[Any, Any, object]) -> None:
-        tasks.add(asyncio.ensure_future(coro))
-
+    spawn = Spawned()
     settles = AnswerSettles(SessionService(stores.db), BudgetService(stores.db), spawn, lambda: None, gather_s=0.2)
     settles.add(*batch[0])
     await asyncio.sleep(0)  # the writer starts; without a window it would send the first answer alone here
     for answer in batch[1:]:
         settles.add(*answer)
-    while tasks:
-        await asyncio.gather(*tasks)
-        tasks = {task for task in tasks if not task.done()}
+    await spawn.drained()
     assert await transactions(stores, t.org_id) == 1
     spent = sum((Decimal("0.01") * (i + 1) for i in range(5)), Decimal(0))
     assert await period(stores, t.org_id, agent) == (spent, Decimal(0))
