@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import random
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -162,6 +165,39 @@ async def timed(n: int, call: Callable[[int], Awaitable[None]]) -> list[float]:
         await call(i)
         out.append(time.perf_counter() - started)
     return out
+
+
+def cpu_ticks() -> dict[str, int]:
+    """CPU clock ticks so far of this process's threads (by role; threads Python does not know are onnxruntime's)
+    and of every Postgres process, from /proc; :func:`cpu_ms_per_call` turns two readings into a breakdown."""
+    roles = {"MainThread": "event loop (client, proxy, memory stage)", "ibex-embed": "dense model",
+             "ibex-splade": "sparse model", "ibex-pii": "PII"}  # fmt: skip
+    names = {t.native_id: roles.get(t.name.split("_")[0], t.name) for t in threading.enumerate()}
+    out: dict[str, int] = {}
+
+    def ticks(stat: Path) -> tuple[str, int]:
+        raw = stat.read_text()
+        fields = raw[raw.rindex(")") + 2 :].split()
+        return raw[raw.index("(") + 1 : raw.rindex(")")], int(fields[11]) + int(fields[12])
+
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            _, n = ticks(task / "stat")
+            key = names.get(int(task.name), "onnxruntime pool")
+            out[key] = out.get(key, 0) + n
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and proc.name != str(os.getpid()):
+            with contextlib.suppress(OSError, ValueError):
+                comm, n = ticks(proc / "stat")
+                if comm == "postgres":
+                    out["postgres"] = out.get("postgres", 0) + n
+    return out
+
+
+def cpu_ms_per_call(before: dict[str, int], after: dict[str, int], calls: int) -> dict[str, float]:
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    spent = {k: (after.get(k, 0) - before.get(k, 0)) * tick_ms / calls for k in after}
+    return {k: round(v, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.05}
 
 
 async def copy_rows(
@@ -347,19 +383,46 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
             async def search(_: int) -> None:
                 await post("/memories/search", {"query": query(rng)})
 
-            for _ in range(20):
-                await search(0)
             assert proxy.memory is not None
-            _, marks = phase_means(proxy.memory.app[METRICS], {})
-            small = await timed(args.searches, search)
-            report(summary(f"search at {total // 1000}k (through proxy)", small))
-            line, marks = phase_means(proxy.memory.app[METRICS], marks)
-            report(line)
+            metrics = proxy.memory.app[METRICS]
+            registry = metrics.registry
+
+            def lookups() -> tuple[float, float]:
+                name = "ibex_memory_query_cache_lookups_total"
+                return tuple(registry.get_sample_value(name, {"result": r}) or 0.0 for r in ("hit", "miss"))  # type: ignore[return-value]
+
+            async def distinct_and_repeated(size: int) -> tuple[list[float], str, dict[str, Any]]:
+                """Distinct random queries (the headline figure, with the CPU each search costs and the query
+                cache's hit rate), then an agent's tool loop: each query asked three times in a row."""
+                for _ in range(20):
+                    await search(0)
+                _, marks = phase_means(metrics, {})
+                (h0, m0), cpu0 = lookups(), cpu_ticks()
+                measured = await timed(args.searches, search)
+                cpu = cpu_ms_per_call(cpu0, cpu_ticks(), args.searches)
+                (h1, m1) = lookups()
+                report(summary(f"search at {size // 1000}k (through proxy)", measured))
+                line = phase_means(metrics, marks)[0]
+                report(line)
+                hit_rate = (h1 - h0) / max(h1 - h0 + m1 - m0, 1)
+                report(f"  CPU per search, core-ms: {cpu}; query cache hit rate {hit_rate:.3f}")
+                asked = [query(rng) for _ in range(args.searches // 3)]
+                loop = await timed(len(asked) * 3, lambda i: post("/memories/search", {"query": asked[i // 3]}))
+                first, again = loop[0::3], [t for i, t in enumerate(loop) if i % 3]
+                report(summary(f"  tool loop at {size // 1000}k, first ask", first))
+                report(summary(f"  tool loop at {size // 1000}k, repeats", again))
+                extra = {"cpu_ms_per_search": cpu, "query_cache_hit_rate": hit_rate,
+                         "tool_loop": {"first": latency([t * 1000 for t in first]),
+                                       "repeats": latency([t * 1000 for t in again])}}  # fmt: skip
+                return measured, line, extra
+
+            small, line, extra = await distinct_and_repeated(total)
             qvecs = embedder.embed_sync([query(rng) for _ in range(50)])
             recall = await ann_recall(stores, tenant, qvecs)
             report(f"filtered ANN recall@10 at {total // 1000}k: {recall:.3f}")
             figures.put(f"search.{total}", {"latency": latency([s * 1000 for s in small], samples=True),
-                                            "phases_ms": phase_dict(line), "ann_recall_at_10": recall})  # fmt: skip
+                                            "phases_ms": phase_dict(line), "ann_recall_at_10": recall,
+                                            **extra})  # fmt: skip
 
             if args.big > total:
                 extra = args.big - total
@@ -376,13 +439,7 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
                     f"({(extra + args.noise) / embedded:.0f}/s, embedder only), COPY + HNSW upkeep {copied:.0f}s; "
                     f"other org: {args.noise} rows"
                 )
-                for _ in range(20):
-                    await search(0)
-                _, marks = phase_means(proxy.memory.app[METRICS], {})
-                big = await timed(args.searches, search)
-                report(summary(f"search at {args.big // 1000}k (through proxy)", big))
-                line = phase_means(proxy.memory.app[METRICS], marks)[0]
-                report(line)
+                big, line, extra = await distinct_and_repeated(args.big)
                 report(
                     summary(
                         f"  the three legs' statements alone at {args.big // 1000}k",
@@ -397,7 +454,7 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
                 report(f"filtered ANN recall@10 at {args.big // 1000}k: {recall:.3f}")
                 big_ms = [s * 1000 for s in big]
                 found = {"latency": latency(big_ms, samples=True), "phases_ms": phase_dict(line),
-                         "ann_recall_at_10": recall}  # fmt: skip
+                         "ann_recall_at_10": recall, **extra}  # fmt: skip
                 figures.put(f"search.{args.big}", found)
     return lines
 

@@ -301,6 +301,17 @@ def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, 
             parts = ", ".join(f"{k} {v:.2f} ms" for k, v in data.get("phases_ms", {}).items())
             out.append(f"- {int(size) // 1000}k memories: mean per phase in the memory stage: {parts}; "
                        f"filtered ANN recall@10 {data.get('ann_recall_at_10', float('nan')):.3f}")  # fmt: skip
+            cpu = data.get("cpu_ms_per_search")
+            if cpu:
+                spent = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+                rate = data.get("query_cache_hit_rate", 0)
+                out.append(f"  - CPU per search (core-ms, of 2 cores): {spent}; total {sum(cpu.values()):.1f}; "
+                           f"query cache hit rate of the distinct queries {rate:.3f}")  # fmt: skip
+            loop = data.get("tool_loop")
+            if loop:
+                out.append(f"  - a tool loop (each query asked three times in a row): first ask p50 "
+                           f"{loop['first']['p50']:.1f} / p95 {loop['first']['p95']:.1f} ms, repeats p50 "
+                           f"{loop['repeats']['p50']:.1f} / p95 {loop['repeats']['p95']:.1f} ms")  # fmt: skip
     repeats = _get(results, "context", "figures", "repeats")
     if repeats:
         out += ["", "## Where context assembly time goes", ""]

@@ -129,6 +129,14 @@ class Settings(BaseSettings):
             " other's neighbours for the ranker)."
         ),
     )
+    memory_query_cache_size: int = Field(
+        default=1024,
+        ge=0,
+        description=(
+            "Search query encodings (dense and sparse) kept per memory stage process for repeated queries, keyed by"
+            " organization; 0 turns the cache off."
+        ),
+    )
     memory_near_duplicate_similarity: float = Field(
         default=0.92, gt=0, le=1, description="Cosine similarity above which a write is a near duplicate."
     )

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import math
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from ibex_dataplane.runtime.stores import Stores
 from tests.support.memory import memory_client
@@ -168,3 +169,37 @@ async def test_postings_of_one_agent_are_invisible_to_another(
         assert await conn.fetchval("SELECT count(*) FROM memory_terms WHERE lexeme = 'quinc'") == 0
     async with stores.db.tenant(t.org_id, t.agents["alpha"]) as conn:
         assert await conn.fetchval("SELECT count(*) FROM memory_terms WHERE lexeme = 'quinc'") == 1
+
+
+async def test_a_repeated_query_reuses_its_encodings_within_its_organization_only(
+    proxy: RunningProxy, tenants: TenantFactory
+) -> None:
+    from ibex_dataplane.memory.app import METRICS
+
+    assert proxy.memory is not None
+    registry = proxy.memory.app[METRICS].registry
+
+    def lookups(result: str) -> float:
+        return registry.get_sample_value("ibex_memory_query_cache_lookups_total", {"result": result}) or 0.0
+
+    query = "which colour did the committee pick for the new bicycle shed"
+    t, other = await tenants.create(), await tenants.create()
+    async with memory_client(proxy, t) as client, memory_client(proxy, other) as stranger:
+        mine = await client.write({"content": "The committee picked green for the new bicycle shed."})
+        theirs = await stranger.write({"content": "The committee picked a red roof for the bicycle shed."})
+        hits, misses = lookups("hit"), lookups("miss")
+        first = await client.search(query)
+        assert (lookups("hit"), lookups("miss")) == (hits, misses + 1)
+        second = await client.search(query)
+        assert (lookups("hit"), lookups("miss")) == (hits + 1, misses + 1)
+
+        # The cached encodings find and judge exactly as the models' own did (recency and retrieval counts move on).
+        def judged(reply: Any) -> list[tuple[str, float]]:
+            return [(h["memory"]["id"], h["components"]["relevance"]) for h in reply.body["results"]]
+
+        assert judged(second) == judged(first)
+        assert first.body["results"][0]["memory"]["id"] == mine.body["memory"]["id"]
+        # The same text from another organization is encoded afresh and finds only that organization's memory.
+        foreign = await stranger.search(query)
+        assert (lookups("hit"), lookups("miss")) == (hits + 1, misses + 2)
+        assert [h["memory"]["id"] for h in foreign.body["results"]] == [theirs.body["memory"]["id"]]

@@ -28,6 +28,7 @@ from ibex_dataplane.memory.hotcache import HotCache
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.middleware import principal_middleware
 from ibex_dataplane.memory.outbox import OutboxWorker
+from ibex_dataplane.memory.query_cache import QueryCache
 from ibex_dataplane.memory.refinery import (
     AfterCommit,
     DetectConflicts,
@@ -126,7 +127,9 @@ def create_memory_app(
     service = MemoryService(
         repo=repo,
         refinery=refinery,
-        search=MemorySearch(repo, embedder, redactor, metrics, tuning, sparse),
+        search=MemorySearch(
+            repo, embedder, redactor, metrics, tuning, sparse, cache=QueryCache(settings.memory_query_cache_size)
+        ),
         hot=hot,
         outbox=outbox,
         # Forgotten rows keep only this keyed digest of their hash: never equal to a live content hash.

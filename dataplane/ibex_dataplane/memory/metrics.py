@@ -50,6 +50,10 @@ class MemoryMetrics:
         self.search_hits = Counter(
             "ibex_memory_search_hits_total", "Search hits returned, by how they matched.", ["matched_by"], registry=r
         )
+        self.query_cache = Counter(
+            "ibex_memory_query_cache_lookups_total", "Search query encodings looked up in the query cache, by result.",
+            ["result"], registry=r,
+        )  # fmt: skip
         self.idempotency_outcomes = Counter(
             "ibex_memory_idempotency_outcomes_total", "Idempotency ledger decisions.", ["outcome"], registry=r
         )

@@ -5,7 +5,7 @@ BM25 full-text leg (any query term may match, statistics from the postings kept 
 runs while the masked query is embedded, then the HNSW leg (iterative scan under the per-agent filter, a low ANN
 cutoff after the index scan) runs; beside them the sparse leg encodes the masked query with SPLADE (its own model
 thread) and scores the postings of migration 0025. All read active, currently valid memories, hydrated, and are
-merged by id.
+merged by id. A query the organization searched recently takes both encodings from the :class:`QueryCache`.
 Then, here and pure (:func:`rank`):
 
 1. the evidence of :mod:`~ibex_dataplane.memory.evidence` (each leg on an absolute scale, named periods, names,
@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from ibex_dataplane.embedding import Embedder, EmbeddingError, SparseEncoder, Sp
 from ibex_dataplane.memory.evidence import evidence_of, names_in, periods_named
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Memory, Tenant
+from ibex_dataplane.memory.query_cache import QueryCache
 from ibex_dataplane.memory.ranker import Ranker, default_ranker, features
 from ibex_dataplane.memory.refinery import Redactor
 from ibex_dataplane.memory.repository import MemoryRepository, SearchRow, merge_legs
@@ -47,6 +48,8 @@ from ibex_dataplane.memory.tuning import SearchTuning
 from ibex_dataplane.memory.validation import SearchQuery
 from ibex_dataplane.pii import PiiError
 from ibex_dataplane.shared.errors import Degraded
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +166,7 @@ class MemorySearch:
         tuning: SearchTuning,
         sparse: SparseEncoder | None = None,
         ranker: Ranker | None = None,
+        cache: QueryCache | None = None,
     ) -> None:
         self._repo = repo
         self._embedder = embedder
@@ -171,13 +175,15 @@ class MemorySearch:
         self._metrics = metrics
         self.tuning = tuning
         self.ranker = ranker if ranker is not None else default_ranker()
+        self._cache = cache if cache is not None else QueryCache(0)
 
     async def candidates(self, tenant: Tenant, query: SearchQuery) -> tuple[str, list[SearchRow]]:
         """The masked query and every hit of either leg (unranked).
 
         The text leg needs only the masked query, so it runs while the query is embedded; the vector leg opens its
-        transaction meanwhile and runs its statement once the embedding is there. Nothing but the masked text
-        reaches the embedder or either statement.
+        transaction meanwhile and runs its statement once the embedding is there; the sparse leg likewise waits for
+        the SPLADE weights. A query this organization searched recently takes both encodings from the query cache
+        instead. Nothing but the masked text reaches either model or any statement.
         """
         started = time.perf_counter()
         try:
@@ -197,25 +203,27 @@ class MemorySearch:
                 population=t.text_population,
             )
         )
+        cached = self._cache.get(tenant.org_id, masked)
+        self._metrics.query_cache.labels("miss" if cached is None else "hit").inc()
+        vector_task = self._dense(masked, started, None if cached is None else cached.dense)
+        legs: list[asyncio.Future[Any]] = [text_leg, vector_task]
         embedded = started
 
-        async def embedding() -> np.ndarray[Any, Any]:
+        def mark_embedded(_: object) -> None:
             nonlocal embedded
-            try:
-                vectors = await self._embedder.embed([masked])
-            except EmbeddingError as e:
-                raise Degraded("the embedding model is unavailable") from e
             embedded = time.perf_counter()
-            self._metrics.search_seconds.labels("embed").observe(embedded - started)
-            vector: np.ndarray[Any, Any] = vectors[0]
-            return vector
 
-        vector_task = asyncio.ensure_future(embedding())
-        legs: list[asyncio.Future[Any]] = [vector_task, text_leg]
+        vector_task.add_done_callback(mark_embedded)
+        sparse_vector: asyncio.Future[SparseVector] | None = None
         sparse_leg: asyncio.Future[list[SearchRow]] | None = None
         if self._sparse is not None and query.as_of is None:  # history reads: superseded rows keep no postings
-            sparse_leg = asyncio.ensure_future(self._sparse_rows(tenant, query, masked))
-            legs.append(sparse_leg)
+            sparse_vector = self._sparse_encoding(masked, started, None if cached is None else cached.sparse)
+            sparse_search = self._repo.search_sparse(
+                tenant, vector=sparse_vector, candidates=max(t.sparse_candidates, query.limit * 2),
+                min_confidence=query.min_confidence, labels=query.labels, term_rows=t.sparse_term_rows,
+            )  # fmt: skip
+            sparse_leg = asyncio.ensure_future(sparse_search)
+            legs += [sparse_leg, sparse_vector]
         try:
             vector_rows = await self._repo.search_vector(
                 tenant, vector=vector_task, at=query.as_of, candidates=max(t.ann_candidates, query.limit * 2),
@@ -233,13 +241,40 @@ class MemorySearch:
                 elif not leg.cancelled():
                     leg.exception()  # retrieved: a leg that failed while the other raised is not reported twice
         self._metrics.search_seconds.labels("query").observe(time.perf_counter() - embedded)
+        if cached is None or (cached.sparse is None and sparse_vector is not None):
+            self._cache.put(
+                tenant.org_id, masked, vector_task.result(), None if sparse_vector is None else sparse_vector.result()
+            )
         return masked, merge_legs(vector_rows, text_rows, sparse_rows)
 
-    async def _sparse_rows(self, tenant: Tenant, query: SearchQuery, masked: str) -> list[SearchRow]:
-        """The sparse leg: the masked query's SPLADE weights (its own model thread), then the postings statement."""
+    def _dense(
+        self, masked: str, started: float, cached: np.ndarray[Any, Any] | None
+    ) -> asyncio.Future[np.ndarray[Any, Any]]:
+        """The masked query's embedding: the cached one, or the model's (its own thread) when there is none."""
+        if cached is not None:
+            self._metrics.search_seconds.labels("embed").observe(time.perf_counter() - started)
+            return _resolved(cached)
+
+        async def embedding() -> np.ndarray[Any, Any]:
+            try:
+                vectors = await self._embedder.embed([masked])
+            except EmbeddingError as e:
+                raise Degraded("the embedding model is unavailable") from e
+            self._metrics.search_seconds.labels("embed").observe(time.perf_counter() - started)
+            vector: np.ndarray[Any, Any] = vectors[0]
+            return vector
+
+        return asyncio.ensure_future(embedding())
+
+    def _sparse_encoding(
+        self, masked: str, started: float, cached: SparseVector | None
+    ) -> asyncio.Future[SparseVector]:
+        """The masked query's SPLADE weights: the cached ones, or the model's (its own thread)."""
+        if cached is not None:
+            self._metrics.search_seconds.labels("sparse_encode").observe(time.perf_counter() - started)
+            return _resolved(cached)
         assert self._sparse is not None
         encoder = self._sparse
-        started = time.perf_counter()
 
         async def encoded() -> SparseVector:
             try:
@@ -249,20 +284,7 @@ class MemorySearch:
             self._metrics.search_seconds.labels("sparse_encode").observe(time.perf_counter() - started)
             return vectors[0]
 
-        t = self.tuning
-        vector = asyncio.ensure_future(encoded())
-        try:
-            return await self._repo.search_sparse(
-                tenant, vector=vector, candidates=max(t.sparse_candidates, query.limit * 2),
-                min_confidence=query.min_confidence, labels=query.labels, term_rows=t.sparse_term_rows,
-            )  # fmt: skip
-        finally:
-            if not vector.done():
-                vector.cancel()
-                with contextlib.suppress(BaseException):
-                    await vector
-            elif not vector.cancelled():
-                vector.exception()
+        return asyncio.ensure_future(encoded())
 
     async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
         masked, rows = await self.candidates(tenant, query)
@@ -272,3 +294,9 @@ class MemorySearch:
             self._metrics.search_hits.labels(hit.matched_by).inc()
         self._metrics.search_seconds.labels("score").observe(time.perf_counter() - started)
         return hits
+
+
+def _resolved(value: T) -> asyncio.Future[T]:
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
