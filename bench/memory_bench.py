@@ -391,8 +391,10 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
             registry = metrics.registry
 
             def lookups() -> tuple[float, float]:
-                name = "ibex_memory_query_cache_lookups_total"
-                return tuple(registry.get_sample_value(name, {"result": r}) or 0.0 for r in ("hit", "miss"))  # type: ignore[return-value]
+                def count(result: str) -> float:
+                    return registry.get_sample_value("ibex_memory_query_cache_lookups_total", {"result": result}) or 0.0
+
+                return count("hit"), count("miss")
 
             async def distinct_and_repeated(size: int) -> tuple[list[float], str, dict[str, Any]]:
                 """Distinct random queries (the headline figure, with the CPU each search costs and the query

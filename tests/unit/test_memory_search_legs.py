@@ -1,5 +1,6 @@
 """The two legs of a search when a store fails: the error reaches the caller, and a leg that failed beside it is
-retrieved (no "Task exception was never retrieved" left for the event loop to report)."""
+retrieved (no "Task exception was never retrieved" left for the event loop to report); a failing model is a degraded
+search that caches nothing."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from ibex_dataplane.embedding import Embedder
+from ibex_dataplane.embedding import Embedder, EmbeddingError
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Tenant
+from ibex_dataplane.memory.query_cache import QueryCache
 from ibex_dataplane.memory.refinery import Redactor
 from ibex_dataplane.memory.repository import MemoryRepository
 from ibex_dataplane.memory.search import MemorySearch
 from ibex_dataplane.memory.tuning import SearchTuning
 from ibex_dataplane.memory.validation import SearchQuery
+from ibex_dataplane.shared.errors import Degraded
 from ibex_dataplane.store.errors import StoreUnavailable
 
 
@@ -63,3 +66,30 @@ async def test_both_legs_failing_raise_once_and_leave_no_unretrieved_exception()
     finally:
         loop.set_exception_handler(None)
     assert unretrieved == []
+
+
+class DownEmbedder:
+    async def embed(self, texts: list[str]) -> np.ndarray[Any, Any]:
+        raise EmbeddingError("the model is gone")
+
+
+class QuietRepository:
+    """Postgres answering with nothing; the vector leg still waits for its vector."""
+
+    async def search_text(self, tenant: Tenant, **_: Any) -> list[Any]:
+        return []
+
+    async def search_vector(self, tenant: Tenant, *, vector: asyncio.Future[Any], **_: Any) -> list[Any]:
+        await vector
+        return []
+
+
+async def test_a_failing_embedder_is_a_degraded_search_and_nothing_is_cached() -> None:
+    cache = QueryCache(8)
+    search = MemorySearch(
+        cast(MemoryRepository, QuietRepository()), cast(Embedder, DownEmbedder()), cast(Redactor, PlainRedactor()),
+        MemoryMetrics(), SearchTuning(), cache=cache,
+    )  # fmt: skip
+    with pytest.raises(Degraded, match="embedding model is unavailable"):
+        await search.search(Tenant(uuid.uuid4(), uuid.uuid4()), SearchQuery(query="where is the lighthouse"))
+    assert len(cache) == 0

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -205,7 +206,10 @@ class MemorySearch:
         )
         cached = self._cache.get(tenant.org_id, masked)
         self._metrics.query_cache.labels("miss" if cached is None else "hit").inc()
-        vector_task = self._dense(masked, started, None if cached is None else cached.dense)
+        dense = None if cached is None else cached.dense
+        vector_task = self._encoded(
+            "embed", started, dense, functools.partial(self._embedding, masked), "embedding model"
+        )
         legs: list[asyncio.Future[Any]] = [text_leg, vector_task]
         embedded = started
 
@@ -217,7 +221,9 @@ class MemorySearch:
         sparse_vector: asyncio.Future[SparseVector] | None = None
         sparse_leg: asyncio.Future[list[SearchRow]] | None = None
         if self._sparse is not None and query.as_of is None:  # history reads: superseded rows keep no postings
-            sparse_vector = self._sparse_encoding(masked, started, None if cached is None else cached.sparse)
+            weights = None if cached is None else cached.sparse
+            encode = functools.partial(self._sparse_weights, masked)
+            sparse_vector = self._encoded("sparse_encode", started, weights, encode, "sparse model")
             sparse_search = self._repo.search_sparse(
                 tenant, vector=sparse_vector, candidates=max(t.sparse_candidates, query.limit * 2),
                 min_confidence=query.min_confidence, labels=query.labels, term_rows=t.sparse_term_rows,
@@ -247,44 +253,32 @@ class MemorySearch:
             )
         return masked, merge_legs(vector_rows, text_rows, sparse_rows)
 
-    def _dense(
-        self, masked: str, started: float, cached: np.ndarray[Any, Any] | None
-    ) -> asyncio.Future[np.ndarray[Any, Any]]:
-        """The masked query's embedding: the cached one, or the model's (its own thread) when there is none."""
-        if cached is not None:
-            self._metrics.search_seconds.labels("embed").observe(time.perf_counter() - started)
-            return _resolved(cached)
+    async def _embedding(self, masked: str) -> np.ndarray[Any, Any]:
+        vectors = await self._embedder.embed([masked])
+        vector: np.ndarray[Any, Any] = vectors[0]
+        return vector
 
-        async def embedding() -> np.ndarray[Any, Any]:
-            try:
-                vectors = await self._embedder.embed([masked])
-            except EmbeddingError as e:
-                raise Degraded("the embedding model is unavailable") from e
-            self._metrics.search_seconds.labels("embed").observe(time.perf_counter() - started)
-            vector: np.ndarray[Any, Any] = vectors[0]
-            return vector
-
-        return asyncio.ensure_future(embedding())
-
-    def _sparse_encoding(
-        self, masked: str, started: float, cached: SparseVector | None
-    ) -> asyncio.Future[SparseVector]:
-        """The masked query's SPLADE weights: the cached ones, or the model's (its own thread)."""
-        if cached is not None:
-            self._metrics.search_seconds.labels("sparse_encode").observe(time.perf_counter() - started)
-            return _resolved(cached)
+    async def _sparse_weights(self, masked: str) -> SparseVector:
         assert self._sparse is not None
-        encoder = self._sparse
+        return (await self._sparse.encode([masked]))[0]
 
-        async def encoded() -> SparseVector:
+    def _encoded(
+        self, phase: str, started: float, cached: T | None, encode: Callable[[], Awaitable[T]], model: str
+    ) -> asyncio.Future[T]:
+        """One encoding of the masked query, timed as ``phase``: the cached one, or the model's (its own thread)."""
+        if cached is not None:
+            self._metrics.search_seconds.labels(phase).observe(time.perf_counter() - started)
+            return _resolved(cached)
+
+        async def run() -> T:
             try:
-                vectors = await encoder.encode([masked])
+                value = await encode()
             except EmbeddingError as e:
-                raise Degraded("the sparse model is unavailable") from e
-            self._metrics.search_seconds.labels("sparse_encode").observe(time.perf_counter() - started)
-            return vectors[0]
+                raise Degraded(f"the {model} is unavailable") from e
+            self._metrics.search_seconds.labels(phase).observe(time.perf_counter() - started)
+            return value
 
-        return asyncio.ensure_future(encoded())
+        return asyncio.ensure_future(run())
 
     async def search(self, tenant: Tenant, query: SearchQuery) -> list[SearchHit]:
         masked, rows = await self.candidates(tenant, query)
