@@ -361,7 +361,7 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
                 # Half of the remaining ingest sequentially, the rest with concurrent batch requests (a bulk
                 # importer's natural shape: embedding one batch overlaps PII and Postgres work of another).
                 goal = total + (args.small - total) // (2 if streams == 1 and args.streams > 1 else 1)
-                started = time.perf_counter()
+                started, cpu0 = time.perf_counter(), cpu_ticks()
                 before = total
 
                 async def stream(goal: int = goal) -> None:
@@ -376,10 +376,13 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
 
                 await asyncio.gather(*(stream() for _ in range(streams)))
                 elapsed = time.perf_counter() - started
+                cpu = cpu_ms_per_call(cpu0, cpu_ticks(), total - before)
                 report(f"bulk ingest, batches of 100, {streams} stream(s): {total - before} memories in "
                        f"{elapsed:.1f}s = {(total - before) / elapsed:.0f} memories/s")  # fmt: skip
+                report(f"  CPU per memory, core-ms: {cpu}")
                 figures.put(f"bulk.streams_{streams}", {"memories": total - before, "seconds": elapsed,
-                                                        "per_second": (total - before) / elapsed})  # fmt: skip
+                                                        "per_second": (total - before) / elapsed,
+                                                        "cpu_ms_per_memory": cpu})  # fmt: skip
 
             report(f"bulk item statuses (201 created, 202 quarantined, 200 duplicate): {sorted(statuses.items())}")
 

@@ -39,6 +39,7 @@ from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.proxy.app import create_app
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime, RuntimeHolder, RuntimeInfo, runtime_holder
 from ibex_dataplane.runtime.errors import DataDirInUse, EmbeddedStoreError
+from ibex_dataplane.runtime.heap import HEAP
 from ibex_dataplane.runtime.stores import Stores, StoreUrls, load_or_create_secret, migrate_all, migrations_dir
 from ibex_dataplane.runtime.workers import WorkerContext, WorkerLaunch, supervise, usable_cpus
 from ibex_dataplane.security.principal import PrincipalSigner
@@ -134,6 +135,9 @@ async def _data_plane(settings: Settings, stores: Stores, pepper: bytes, host: s
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         bound = runner.addresses[0][1] if runner.addresses else port
+        for stage in (memory_app, app):  # one heap for the three stages; each reports it on its own /metrics
+            stage[HEAP].freeze()
+        context.metrics.heap.freeze()
         yield f"http://{host}:{bound}"
     finally:
         if runner is not None:
@@ -327,6 +331,8 @@ async def _serve_app(app: web.Application, host: str, port: int, name: str, work
     try:
         await web.TCPSite(runner, host, port, reuse_port=worker is not None).start()
         bound = runner.addresses[0][1] if runner.addresses else port
+        if HEAP in app:
+            app[HEAP].freeze()  # startup is over: later full collections skip what it allocated (runtime/heap.py)
         if worker is None:
             print(f"ibex {name} ready: http://{host}:{bound}", flush=True)
         else:
@@ -542,6 +548,7 @@ async def _serve_context(args: argparse.Namespace, settings: Settings) -> int:
         health_port=settings.context_health_port if args.health_port is None else args.health_port,
     )  # fmt: skip
     await stage.start()
+    stage.metrics.heap.freeze()
     try:
         print(f"ibex context ready: grpc://{stage.address} (health {stage.health_url})", flush=True)
         await _wait_for_signal()

@@ -227,11 +227,24 @@ def stage(command: str, data_dir: Path, env: dict[str, str]) -> Iterator[str]:
 
 
 @contextmanager
-def context_stage(env: dict[str, str]) -> Iterator[str]:
-    """Run `ibex context` (gRPC, no stores of its own); yields its host:port and checks it stops cleanly."""
+def context_stage(env: dict[str, str]) -> Iterator[tuple[str, str]]:
+    """Run `ibex context` (gRPC, no stores of its own); yields its host:port and the URL of its health listener,
+    and checks it stops cleanly."""
     with ibex_process(["context", "--port", "0", "--health-port", "0"], env, ready=r"ready: grpc://(\S+)") as running:
-        yield running.url
+        health = re.search(r"\(health (http://[^\s)]+)\)", running.output[-1])
+        assert health is not None, running.output[-1]
+        yield running.url, health.group(1)
     assert running.proc.returncode == 0, f"ibex context exited with {running.proc.returncode}"
+
+
+async def frozen_objects(http: ClientSession, url: str, prefix: str) -> float:
+    """``ibex_<prefix>_gc_frozen_objects`` on the /metrics of the stage at ``url``."""
+    async with http.get(url + "/metrics") as r:
+        assert r.status == 200, await r.text()
+        text = await r.text()
+    found = re.search(rf"^ibex_{prefix}_gc_frozen_objects (\S+)$", text, re.MULTILINE)
+    assert found is not None, f"no ibex_{prefix}_gc_frozen_objects at {url}"
+    return float(found.group(1))
 
 
 def refused(args: list[str], env: dict[str, str]) -> str:
@@ -264,7 +277,7 @@ async def test_stages_run_as_separate_processes_over_ibex_devs_stores(scratch: P
         own_clickhouse = {"IBEX_CLICKHOUSE_URL": f"chdb://{scratch / 'proxy-clickhouse'}"}
         with (
             stage("memory", data_dir, env) as memory_url,
-            context_stage({**env, "IBEX_MEMORY_URL": memory_url}) as context_url,
+            context_stage({**env, "IBEX_MEMORY_URL": memory_url}) as (context_url, context_health),
             stage(
                 "proxy",
                 data_dir,
@@ -286,6 +299,10 @@ async def test_stages_run_as_separate_processes_over_ibex_devs_stores(scratch: P
                     assert r.headers["X-IBEX-Memories-Injected"] == "1"
                     echoed = json.loads((await r.json())["choices"][0]["message"]["content"])
                 assert f'id="{created}">The customer prefers e-mail over phone calls.</memory>' in echoed[-1]["content"]
+                # Every serving process froze the heap it built while starting (runtime/heap.py), `ibex dev` too.
+                for prefix, url in (("proxy", proxy_url), ("memory", memory_url), ("context", context_health),
+                                    ("proxy", dev.url)):  # fmt: skip
+                    assert await frozen_objects(http, url, prefix) > 10_000, (prefix, url)
 
 
 @contextmanager

@@ -83,6 +83,7 @@ class ContextStage:
             raise OSError(f"the context stage cannot listen on {self._host}:{self._requested_port}")
         await server.start()
         self._server = server
+        self.metrics.heap.watch()
         if self._health_port is not None:
             self._health = web.AppRunner(self._health_app(), access_log=None, handle_signals=False)
             await self._health.setup()
@@ -108,6 +109,7 @@ class ContextStage:
         return app
 
     async def stop(self, grace: float = 2.0) -> None:
+        self.metrics.heap.unwatch()
         if self._health is not None:
             await self._health.cleanup()
         if self._server is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from ibex_dataplane.runtime.heap import HeapMetrics
+
 _BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 1.0)
 
 
@@ -11,6 +13,7 @@ class ContextMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.heap = HeapMetrics("ibex_context", r)
         self.assembly_seconds = Histogram(
             "ibex_context_assembly_duration_seconds", "Whole assembly, by step.", ["step"], buckets=_BUCKETS,
             registry=r,

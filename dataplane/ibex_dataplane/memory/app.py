@@ -48,6 +48,7 @@ from ibex_dataplane.memory.sparse import SparseBackfill
 from ibex_dataplane.memory.tuning import SearchTuning
 from ibex_dataplane.providers.catalog import ModelCatalog, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
+from ibex_dataplane.runtime.heap import HEAP
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
@@ -177,6 +178,8 @@ def create_memory_app(
             await session.close()
 
     app.cleanup_ctx.append(lifecycle)
+    app[HEAP] = metrics.heap
+    app.cleanup_ctx.append(metrics.heap.watching)
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ibex_dataplane.runtime.heap import HeapMetrics
+
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _SLOW = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -15,6 +17,7 @@ class MemoryMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.heap = HeapMetrics("ibex_memory", r)
         self.request_seconds = Histogram(
             "ibex_memory_request_duration_seconds", "Memory stage request latency per route.", ["route", "status"],
             buckets=_SLOW, registry=r,

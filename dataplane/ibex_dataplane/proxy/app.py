@@ -65,6 +65,7 @@ from ibex_dataplane.proxy.repository import ProxyRepository
 from ibex_dataplane.proxy.response_store import ResponseStore
 from ibex_dataplane.proxy.routes import ProtectedRoutes
 from ibex_dataplane.proxy.sessions import SessionService
+from ibex_dataplane.runtime.heap import HEAP
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
 from ibex_dataplane.settings import Settings
@@ -283,6 +284,8 @@ def create_app(
         return await request.app[GENERATION].handle(request, responses_edge)
 
     app.cleanup_ctx.append(providers_ctx)
+    app[HEAP] = metrics.heap
+    app.cleanup_ctx.append(metrics.heap.watching)
 
     routes = ProtectedRoutes(
         keyed=GatePipeline(keyed, metrics), bound=GatePipeline(bound, metrics), catalog=catalog, sessions=sessions,

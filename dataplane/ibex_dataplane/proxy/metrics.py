@@ -23,6 +23,8 @@ from prometheus_client import values as prometheus_values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from ibex_dataplane.runtime.heap import HeapMetrics
+
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _SLOW = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -87,6 +89,8 @@ class ProxyMetrics:
             "ibex_proxy_mcp_tool_calls_total", "MCP tool calls by tool and outcome (ok or the envelope code).",
             ["tool", "outcome"], registry=r,
         )  # fmt: skip
+
+        self.heap = HeapMetrics("ibex_proxy", r)
 
         self.worker_requests: Gauge | None = None
         if multiprocess_dir is not None:
