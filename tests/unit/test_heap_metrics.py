@@ -18,8 +18,7 @@ def registry() -> CollectorRegistry:
 
 @pytest.fixture
 def unfrozen() -> Iterator[None]:
-    """The test process's heap as it was: a test that freezes puts the objects back."""
-    assert gc.get_freeze_count() == 0
+    """A test that freezes puts the objects back into the collected generations afterwards."""
     try:
         yield
     finally:
