@@ -135,9 +135,9 @@ async def _data_plane(settings: Settings, stores: Stores, pepper: bytes, host: s
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         bound = runner.addresses[0][1] if runner.addresses else port
-        for stage in (memory_app, app):  # one heap for the three stages; each reports it on its own /metrics
-            stage[HEAP].freeze()
-        context.metrics.heap.freeze()
+        frozen = app[HEAP].freeze()  # one heap for the three stages, frozen once; each reports it on its /metrics
+        for heap in (memory_app[HEAP], context.metrics.heap):
+            heap.frozen.set(frozen)
         yield f"http://{host}:{bound}"
     finally:
         if runner is not None:
