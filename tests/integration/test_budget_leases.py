@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 from datetime import timedelta
 from decimal import Decimal
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import asyncpg
 import pytest
 import pytest_asyncio
 
+from ibex_dataplane.proxy.sessions import SessionService, Turn
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.shared.budget import (
     BudgetExceeded,
@@ -25,6 +26,7 @@ from ibex_dataplane.shared.budget import (
     Enforcement,
     LeaseSettings,
 )
+from ibex_dataplane.shared.budget_repository import HoldStatus
 from ibex_dataplane.store.postgres import Database
 from tests.support.budget import AGENT_SPEC, HARD, ORG_SPEC, D, ledger, rid, totals
 from tests.support.clocks import HandClock
@@ -130,6 +132,62 @@ async def test_a_draw_settled_twice_counts_once_and_a_failed_one_costs_nothing(
     await budgets.drain()
     await books_balance(stores, budgets, org, alpha)
     assert (await budgets.spend(org, alpha)).held_usd == CENT  # only the first request's own hold, never settled
+
+
+async def test_a_batch_settles_each_draw_once_and_moves_the_lease_by_its_sums(
+    stores: Stores, tenant: Tenant, tick: HandClock
+) -> None:
+    """The proxy's batch statement (migration 0036): draws as sets beside an ordinary hold, the same request twice
+    in one batch, a lease of no one, and the whole batch again."""
+    org, alpha = tenant.org_id, tenant.agents["alpha"]
+    budgets = leasing(stores.db, tick)
+    alone = await budgets.hold(org, alpha, rid(), CENT, HARD)
+    drawn = [await budgets.hold(org, alpha, rid(), CENT, HARD) for _ in range(4)]
+    assert not alone.lease and all(h.lease for h in drawn) and len({h.id for h in drawn}) == 1
+    lease_before = {r["id"]: r["amount_usd"] for r in await holds(stores, org)}[drawn[0].id]
+    forged = BudgetHold(uuid4(), org, alpha, rid(), CENT, drawn[0].period_start, False, lease=True)
+    answered = [alone, *drawn, drawn[1], forged]
+    batch = [
+        (budgets.settlement(h, D("0.004") + D("0.001") * i, model="echo", prompt_tokens=3, completion_tokens=2),
+         Turn(f"s{i}", h.request_id, [f"m{i}"], f"c{i}", 3, 2, 1.5))
+        for i, h in enumerate(answered)
+    ]  # fmt: skip
+    sessions = SessionService(stores.db)
+    written = await sessions.settle_and_record_turns(org, alpha, batch)
+    assert [w.hold_before for w in written] == [HoldStatus.HELD] * 5 + [HoldStatus.SETTLED, None]
+    assert all(w.turn == 1 and w.checkpoint_error is None for w in written)
+    entries = await ledger(stores, org)
+    assert sorted((e["request_id"], e["cost_usd"]) for e in entries) == sorted(
+        (h.request_id, D("0.004") + D("0.001") * i) for i, h in enumerate(answered[:5])
+    )
+    lease_after = {r["id"]: (r["amount_usd"], r["actual_usd"]) for r in await holds(stores, org)}[drawn[0].id]
+    assert lease_after == (lease_before - 4 * CENT, D("0.005") + D("0.006") + D("0.007") + D("0.008"))
+    await books_balance(stores, budgets, org, alpha)
+    spent = sum((e["cost_usd"] for e in entries), D(0))
+    assert (await budgets.spend(org, alpha)).spent_usd == spent == D("0.030")
+    again = await sessions.settle_and_record_turns(org, alpha, batch)
+    assert [w.hold_before for w in again] == [HoldStatus.SETTLED] * 6 + [None]
+    assert len(await ledger(stores, org)) == 5
+    await books_balance(stores, budgets, org, alpha)
+    assert (await budgets.spend(org, alpha)).spent_usd == spent
+
+
+async def test_a_batch_with_an_invalid_draw_writes_nothing(stores: Stores, tenant: Tenant, tick: HandClock) -> None:
+    org, alpha = tenant.org_id, tenant.agents["alpha"]
+    budgets = leasing(stores.db, tick)
+    await budgets.hold(org, alpha, rid(), CENT, HARD)
+    good, bad = [await budgets.hold(org, alpha, rid(), CENT, HARD) for _ in range(2)]
+    named_like_a_lease = BudgetHold(bad.id, org, alpha, "lease_" + uuid4().hex, CENT, bad.period_start, False,
+                                    lease=True)  # fmt: skip
+    batch = [
+        (budgets.settlement(h, D("0.004"), model="echo", prompt_tokens=3, completion_tokens=2),
+         Turn(f"s{i}", h.request_id, ["m"], "c", 3, 2, 1.5))
+        for i, h in enumerate([good, named_like_a_lease])
+    ]  # fmt: skip
+    with pytest.raises(asyncpg.InvalidParameterValueError):
+        await SessionService(stores.db).settle_and_record_turns(org, alpha, batch)
+    assert await ledger(stores, org) == []
+    await books_balance(stores, budgets, org, alpha)
 
 
 async def test_a_lease_that_aged_goes_back_after_its_last_draw_is_settled(

@@ -85,6 +85,10 @@ class ProviderRegistry:
     ) -> None:
         self._catalog = catalog
         self._providers = dict(providers)
+        # What each provider serves, decided once: a runtime-checkable protocol's isinstance walks the protocol's
+        # members on every call, and the chat path asks on every request.
+        self._chat = {name: p for name, p in self._providers.items() if isinstance(p, Provider)}
+        self._embedding = {name: p for name, p in self._providers.items() if isinstance(p, EmbeddingProvider)}
         self._chains: dict[str, tuple[str, ...]] = {}
         for model, chain in (fallbacks or {}).items():
             primary = catalog.require(model)
@@ -146,19 +150,18 @@ class ProviderRegistry:
 
     def provider_for(self, model: str) -> Provider:
         """The chat provider serving ``model``; ``UnknownModel`` if uncatalogued, ``ProviderUnavailable`` if unset."""
-        provider = self._any_provider(model)
-        if not isinstance(provider, Provider):
-            raise ProviderUnavailable(
-                f"provider of {model!r} serves no chat", provider=self._catalog.require(model).provider
-            )
+        name = self._configured(model)
+        provider = self._chat.get(name)
+        if provider is None:
+            raise ProviderUnavailable(f"provider of {model!r} serves no chat", provider=name)
         return provider
 
-    def _any_provider(self, model: str) -> Provider | EmbeddingProvider:
+    def _configured(self, model: str) -> str:
+        """The name of the configured provider of ``model``."""
         info = self._catalog.require(model)
-        provider = self._providers.get(info.provider)
-        if provider is None:
+        if info.provider not in self._providers:
             raise ProviderUnavailable(f"provider {info.provider!r} is not configured", provider=info.provider)
-        return provider
+        return info.provider
 
     def _may_fall_back(
         self,
@@ -202,16 +205,15 @@ class ProviderRegistry:
     def can_embed(self, model: str) -> bool:
         """Whether the provider of ``model`` serves embeddings (configured and able to)."""
         info = self._catalog.get(model)
-        provider = self._providers.get(info.provider) if info is not None else None
-        return isinstance(provider, EmbeddingProvider)
+        return info is not None and info.provider in self._embedding
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse:
         """``embed`` on the request's model, then on its fallbacks while they are unavailable."""
         chain = self.chain(request.model)
         for index, model in enumerate(chain):
             attempt = request if model == request.model else dataclasses.replace(request, model=model)
-            provider = self._any_provider(model)
-            if not isinstance(provider, EmbeddingProvider):
+            provider = self._embedding.get(self._configured(model))
+            if provider is None:
                 raise ProviderUnavailable(f"provider of {model!r} serves no embeddings", provider=model)
             try:
                 return await provider.embed(attempt)

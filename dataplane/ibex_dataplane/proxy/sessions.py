@@ -48,7 +48,7 @@ class Turn:
 
 
 def _answer_item(settlement: Settlement, turn: Turn) -> dict[str, object]:
-    """One answer as ``ibex_answer_settle_batch_as`` reads it (migrations 0034, 0035): the settle's usage is the
+    """One answer as ``ibex_answer_settle_batch_as`` reads it (migrations 0034, 0035, 0036): the settle's usage is the
     turn's; a request drawn from a lease carries its drawn amount."""
     c = turn.capture
     return {
