@@ -103,6 +103,47 @@ async def test_a_failing_checkpoint_in_a_batch_leaves_every_settle_standing(
     assert await period(stores, t.org_id, agent) == (Decimal("0.03"), Decimal(0))
 
 
+async def test_a_batch_numbers_on_from_a_sessions_count_reopens_it_and_queues_each_capture(
+    tenants: TenantFactory, stores: Stores
+) -> None:
+    t = await tenants.create(directive=None)
+    agent = t.agents["alpha"]
+    sessions = SessionService(stores.db)
+    for n in (1, 2):
+        await sessions.record_turn(
+            t.org_id, agent, "old", request_id=f"early-{n}", message_digests=["e"], completion_digest=None,
+            prompt_tokens=1, completion_tokens=1, latency_ms=1.0,
+        )  # fmt: skip
+    assert await sessions.terminate(t.org_id, agent, "old")
+    capture = CaptureRequest("turns", None, [{"role": "user", "content": "hi"}], None)
+    batch = await answers(stores, t, ["old", "new", "old"], capture=capture)
+    written = await sessions.settle_and_record_turns(t.org_id, agent, batch)
+    assert [(w.hold_before, w.turn, w.checkpoint_error) for w in written] == [
+        (HoldStatus.HELD, 3, None), (HoldStatus.HELD, 1, None), (HoldStatus.HELD, 4, None),
+    ]  # fmt: skip
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        opened = await conn.fetch(
+            "SELECT external_id, status, turn_count, closed_at FROM sessions WHERE org_id = $1 ORDER BY external_id",
+            t.org_id,
+        )
+        turns = await conn.fetch(
+            "SELECT s.external_id, c.turn, c.request_id FROM session_checkpoints c"
+            " JOIN sessions s ON s.id = c.session_id WHERE c.org_id = $1 ORDER BY s.external_id, c.turn",
+            t.org_id,
+        )
+        jobs = await conn.fetch(
+            "SELECT session_id, turn, request_id, mode FROM capture_jobs WHERE org_id = $1 ORDER BY session_id, turn",
+            t.org_id,
+        )
+    assert [tuple(r) for r in opened] == [("new", "active", 1, None), ("old", "active", 4, None)]
+    assert [tuple(r) for r in turns] == [
+        ("new", 1, "req-1"), ("old", 1, "early-1"), ("old", 2, "early-2"), ("old", 3, "req-0"), ("old", 4, "req-2"),
+    ]  # fmt: skip
+    assert [tuple(r) for r in jobs] == [("new", 1, "req-1", "turns"), ("old", 3, "req-0", "turns"),
+                                        ("old", 4, "req-2", "turns")]  # fmt: skip
+
+
 class Spawned:
     """A ``spawn`` for :class:`AnswerSettles` that keeps its tasks, and waits for them and what they spawn."""
 

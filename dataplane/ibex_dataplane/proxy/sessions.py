@@ -48,7 +48,7 @@ class Turn:
 
 
 def _answer_item(settlement: Settlement, turn: Turn) -> dict[str, object]:
-    """One answer as ``ibex_answer_settle_batch_as`` reads it (migrations 0034, 0035, 0036): the settle's usage is the
+    """One answer as ``ibex_answer_settle_batch_as`` reads it (migrations 0034-0037): the settle's usage is the
     turn's; a request drawn from a lease carries its drawn amount."""
     c = turn.capture
     return {
@@ -111,11 +111,12 @@ class SessionService:
         (``ibex_answer_settle_batch_as``): one transaction, one commit, and the budget rows moved once by the sums.
         Returns what was written for each answer, in the order given.
 
-        A checkpoint that fails does not undo its settle (each runs in its own subtransaction); an error of the
-        statement itself means none of it may have been written, and since settling is idempotent and a checkpoint
-        is not, the caller settles each answer again and leaves the checkpoints. The statement takes the turns in
-        order of session id (a session's turns keep their order), so that two batches of one agent written at the
-        same time (several workers) lock session rows in the same order and cannot deadlock."""
+        A checkpoint that fails does not undo its settle (the checkpoints run in a subtransaction of their own, and
+        when one fails each is retried alone); an error of the statement itself means none of it may have been
+        written, and since settling is idempotent and a checkpoint is not, the caller settles each answer again and
+        leaves the checkpoints. The statement takes the turns in order of session id (a session's turns keep their
+        order), so that two batches of one agent written at the same time (several workers) lock session rows in
+        the same order and cannot deadlock."""
         order = sorted(range(len(answers)), key=lambda i: answers[i][1].external_id)
         items = [_answer_item(*answers[i]) for i in order]
         rows = await self._db.call_as_rows(org_id, agent_id, _SETTLE_TURNS, orjson.dumps(items).decode(), CAPTURE_TTL)
