@@ -5,6 +5,10 @@
 -- turn's place among the session's turns of the batch, as 0030's function numbered them one by one. A checkpoint
 -- that fails still undoes nothing but checkpoints: the block is undone and each turn retried alone, through
 -- ibex_session_turn_capture_as, as in 0036. Settles are as in 0036.
+--
+-- A correction to 0036's header: the proxy sends at most 64 answers per batch (ibex_dataplane.proxy.settles), so
+-- its batches never overflowed the backend's cache of 64 subtransactions; what 0036 saved there was the cost of a
+-- subtransaction per turn, not an overflow.
 CREATE OR REPLACE FUNCTION ibex_answer_settle_batch_as(p_org uuid, p_agent uuid, p_items jsonb, p_ttl interval)
     RETURNS TABLE (hold_status text, turn integer, checkpoint_error text)
     LANGUAGE plpgsql VOLATILE
