@@ -38,7 +38,11 @@ async def test_a_write_runs_the_documented_refinery_stages_in_order(
             proxy.v1 + "/memories", json={"content": "The office opens at nine."}, headers=headers
         ) as r:  # fmt: skip
             assert r.status == 201, await r.text()
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refinery ")]
+            request_id = r.headers["X-Request-ID"]
+    # Only this request's line: the shared memory stage may be refining other tests' captures meanwhile.
+    (line,) = [
+        m for m in (r.getMessage() for r in caplog.records) if m.startswith(f"refinery request_id={request_id} ")
+    ]
     ran = re.findall(r" ([a-z_]+)\[", line)
     assert ran == table_column("architecture.md", "Writing a memory")
 
