@@ -112,7 +112,14 @@ async def settled_turn(stores: Stores, tenants: TenantFactory, capture: CaptureR
             " WHERE org_id = $1",
             t.org_id,
         )
-        jobs = await conn.fetchval("SELECT count(*) FROM capture_jobs WHERE org_id = $1", t.org_id)
+        # Queued, or already processed by the shared memory stage's worker, which deletes a job after committing
+        # its claim in the idempotency ledger: one snapshot of both sees it either way.
+        jobs = await conn.fetchval(
+            "SELECT count(*) FROM (SELECT session_id, turn FROM capture_jobs WHERE org_id = $1"
+            " UNION SELECT split_part(key, ':', 2), split_part(key, ':', 3)::integer FROM idempotency_keys"
+            " WHERE org_id = $1 AND route = 'capture') j",
+            t.org_id,
+        )
     return written, held, ledger, checkpoints, jobs
 
 
