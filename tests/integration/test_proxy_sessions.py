@@ -15,6 +15,7 @@ from ibex_dataplane.proxy.sessions import SessionService, Turn
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.shared.budget import BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.shared.budget_repository import HoldStatus
+from tests.support.capture import queued_turns
 from tests.support.proxy import RunningProxy
 from tests.support.tenants import TenantFactory
 
@@ -112,14 +113,7 @@ async def settled_turn(stores: Stores, tenants: TenantFactory, capture: CaptureR
             " WHERE org_id = $1",
             t.org_id,
         )
-        # Queued, or already processed by the shared memory stage's worker, which deletes a job after committing
-        # its claim in the idempotency ledger: one snapshot of both sees it either way.
-        jobs = await conn.fetchval(
-            "SELECT count(*) FROM (SELECT session_id, turn FROM capture_jobs WHERE org_id = $1"
-            " UNION SELECT split_part(key, ':', 2), split_part(key, ':', 3)::integer FROM idempotency_keys"
-            " WHERE org_id = $1 AND route = 'capture') j",
-            t.org_id,
-        )
+    jobs = len(await queued_turns(stores, t.org_id))
     return written, held, ledger, checkpoints, jobs
 
 

@@ -16,6 +16,7 @@ from ibex_dataplane.proxy.settles import AnswerSettles
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.shared.budget import BudgetPolicy, BudgetService, Enforcement, Settlement
 from ibex_dataplane.shared.budget_repository import HoldStatus
+from tests.support.capture import queued_turns
 from tests.support.tenants import Tenant, TenantFactory
 
 POLICY = BudgetPolicy(org_limit_usd=Decimal("10.00"), agent_limit_usd=Decimal("5.00"), enforcement=Enforcement.HARD_CAP)
@@ -132,19 +133,11 @@ async def test_a_batch_numbers_on_from_a_sessions_count_reopens_it_and_queues_ea
             " JOIN sessions s ON s.id = c.session_id WHERE c.org_id = $1 ORDER BY s.external_id, c.turn",
             t.org_id,
         )
-        # A capture job is deleted once the memory stage's worker (running for other tests) has processed it, and
-        # its claim in the idempotency ledger is committed before that: one snapshot of both sees every job.
-        jobs = await conn.fetch(
-            "SELECT session_id, turn FROM capture_jobs WHERE org_id = $1 AND mode = 'turns'"
-            " UNION SELECT split_part(key, ':', 2), split_part(key, ':', 3)::integer FROM idempotency_keys"
-            " WHERE org_id = $1 AND route = 'capture' ORDER BY 1, 2",
-            t.org_id,
-        )
     assert [tuple(r) for r in opened] == [("new", "active", 1, None), ("old", "active", 4, None)]
     assert [tuple(r) for r in turns] == [
         ("new", 1, "req-1"), ("old", 1, "early-1"), ("old", 2, "early-2"), ("old", 3, "req-0"), ("old", 4, "req-2"),
     ]  # fmt: skip
-    assert [tuple(r) for r in jobs] == [("new", 1), ("old", 3), ("old", 4)]
+    assert await queued_turns(stores, t.org_id) == [("new", 1), ("old", 3), ("old", 4)]
 
 
 class Spawned:

@@ -12,7 +12,7 @@ from tests.support.proxy import RunningProxy
 from tests.support.tenants import Tenant
 from tests.support.waiting import until
 
-__all__ = ["chat", "extracted", "headers", "jobs_of", "until"]
+__all__ = ["chat", "extracted", "headers", "jobs_of", "queued_turns", "until"]
 
 
 def headers(t: Tenant, agent: str, session: str, **extra: str) -> dict[str, str]:
@@ -42,3 +42,18 @@ async def jobs_of(stores: Stores, org_id: UUID) -> list[dict[str, Any]]:
     assert stores.admin_pool is not None
     async with stores.admin_pool.acquire() as conn:
         return [dict(r) for r in await conn.fetch("SELECT * FROM capture_jobs WHERE org_id = $1", org_id)]
+
+
+async def queued_turns(stores: Stores, org_id: UUID) -> list[tuple[str, int]]:
+    """(session id, turn) of every capture job queued for the org, still waiting or already processed: a worker
+    running for other tests deletes a job once done, after committing its claim in the idempotency ledger, so one
+    snapshot of both sees every job either way."""
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT session_id, turn FROM capture_jobs WHERE org_id = $1"
+            " UNION SELECT split_part(key, ':', 2), split_part(key, ':', 3)::integer FROM idempotency_keys"
+            " WHERE org_id = $1 AND route = 'capture' ORDER BY 1, 2",
+            org_id,
+        )
+    return [(r[0], r[1]) for r in rows]
