@@ -295,6 +295,8 @@ async def refuses_connections(url: str) -> bool:
         _, writer = await asyncio.open_connection(host, int(port))
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:  # queued on a listener that closed meanwhile: another may still listen, ask again
+        return False
     writer.close()
     await writer.wait_closed()
     return False
