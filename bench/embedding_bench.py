@@ -4,7 +4,10 @@ Run from the repository root: ``python bench/embedding_bench.py [--seconds 6] [-
 p95s and sentences per second; it asserts nothing and no CI job gates on it (STYLE.md, Tests).
 
 Scenarios, each given ``--seconds`` in total:
-1. ``embed_sync`` with 1, 8 and 32 sentences per call: the model alone, one caller.
+0. the two precisions the packaged checkpoint can be built at, ``float32`` and ``int8`` (the default), side by
+   side: ``embed_sync`` with 1 and 32 sentences per call, and how close the int8 vectors are to the float32 ones
+   (cosine over the corpus);
+1. ``embed_sync`` with 1, 8 and 32 sentences per call: the model alone, one caller (int8, as shipped).
 2. ``embed`` (async) with 1, 8 and 32 sentences per call, one caller, coalescing off, with a 0 ms window and
    with a 2 ms window: what going through the worker thread and the coalescer costs a lone caller.
 3. 1, 8 and 32 concurrent callers with one sentence each (a busy write path, or several context assemblies
@@ -147,6 +150,22 @@ def main() -> None:
         f"(min {min(tokens)}, max {max(tokens)}); {args.seconds:g} s per scenario in {args.rounds} rounds"
     )
     plain = embedders["coalescing off"]
+
+    exact = OnnxMiniLMEmbedder.from_installed_packages(
+        precision="float32", coalesce_window_s=None, intra_op_threads=args.threads
+    )
+    cosines = (exact.embed_sync(texts) * plain.embed_sync(texts)).sum(axis=1)
+    print(f"\n0. float32 against int8 (the default), embed_sync; cosine of the int8 vector to the float32 one: "
+          f"min {cosines.min():.4f}, median {statistics.median(cosines.tolist()):.4f}")  # fmt: skip
+    interleave(
+        args.rounds,
+        {
+            f"{name:<7} batch {batch:>2}": functools.partial(run_sync, embedder, texts, batch, turn)
+            for batch in (1, 32)
+            for name, embedder in (("float32", exact), ("int8", plain))
+        },
+    )
+    exact.close()
 
     print("\n1. one caller, embed_sync")
     interleave(

@@ -101,7 +101,7 @@ async def _data_plane(settings: Settings, stores: Stores, pepper: bytes, host: s
     from ibex_dataplane.pii.redactor import PiiRedactor
 
     # The memory stage on a free local port; the proxy reaches it with principals signed by a per-run secret.
-    embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages)
+    embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages, settings.memory_embedding_precision)
     redactor: PiiRedactor | None = None
     memory_runner: web.AppRunner | None = None
     context: ContextStage | None = None
@@ -473,7 +473,7 @@ async def _serve_memory(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     secret = settings.internal_secret.get_secret_value().encode()
     stores = await Stores.open(StoreUrls.from_settings(settings), settings)
-    embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages)
+    embedder = await asyncio.to_thread(OnnxMiniLMEmbedder.from_installed_packages, settings.memory_embedding_precision)
     redactor = await asyncio.to_thread(
         PiiRedactor, threshold=settings.pii_threshold, enable_ner=settings.pii_enable_ner
     )

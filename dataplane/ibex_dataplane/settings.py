@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -135,6 +136,14 @@ class Settings(BaseSettings):
         description=(
             "Search query encodings (dense and sparse) kept per memory stage process for repeated queries, keyed by"
             " organization; 0 turns the cache off."
+        ),
+    )
+    memory_embedding_precision: Literal["int8", "float32"] = Field(
+        default="int8",
+        description=(
+            "Arithmetic of the MiniLM embedding model: int8 (about twice as fast on CPU) or float32 (the"
+            " checkpoint's own; slightly better recall, see docs/retrieval.md). Vectors already stored stay as they"
+            " are, so choose before the first write."
         ),
     )
     memory_near_duplicate_similarity: float = Field(

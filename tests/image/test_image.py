@@ -80,9 +80,9 @@ def test_the_image_has_a_non_root_user_the_migrations_and_the_model(image: str) 
     probe = (
         "import json, onnxruntime, presidio_analyzer;"
         "from ibex_dataplane.store.migrations import default_migrations_dir as d;"
-        "from ibex_dataplane.embedding.onnx import packaged_model_path, packaged_tokenizer_path;"
+        "from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder;"
         "print(json.dumps({'sql': sorted(p.name for p in (d() / 'postgres').glob('*.sql')),"
-        " 'model': packaged_model_path().is_file() and packaged_tokenizer_path().is_file()}))"
+        " 'model': OnnxMiniLMEmbedder.from_installed_packages().embed_sync(['ok']).shape[1] == 384}))"
     )
     done = podman(
         "run", "--rm", "--network=none", "--read-only", "--entrypoint", "/opt/ibex/bin/python", image, "-c", probe

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from ibex_dataplane.embedding import Embedder, EmbeddingError
 from ibex_dataplane.embedding.onnx import (
     OnnxMiniLMEmbedder,
-    packaged_model_path,
+    packaged_model,
+    packaged_model_dir,
     packaged_tokenizer_path,
 )
+from ibex_dataplane.embedding.onnx_graph import encoder_model, read_safetensors
+from tests.support import bert_reference
 
 SENTENCES = [
     "The cat sits on the mat",
@@ -34,10 +40,49 @@ def embedder() -> Iterator[OnnxMiniLMEmbedder]:
         yield instance
 
 
+@pytest.fixture(scope="module")
+def reference() -> list[np.ndarray[Any, Any]]:
+    """The float64 numpy forward pass of the packaged checkpoint, one vector per sentence."""
+    directory = packaged_model_dir()
+    weights = bert_reference.tensors(directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    tokenizer = Tokenizer.from_file(str(packaged_tokenizer_path()))
+    tokenizer.no_padding()
+    return [bert_reference.sentence_vector(tokenizer.encode(text).ids, weights, config) for text in SENTENCES]
+
+
+def test_the_float32_graph_matches_a_numpy_forward_pass(reference: list[np.ndarray[Any, Any]]) -> None:
+    with OnnxMiniLMEmbedder.from_installed_packages(precision="float32", coalesce_window_s=None) as exact:
+        vectors = exact.embed_sync(SENTENCES)  # one batch of mixed lengths: padding must not change any row
+    for got, expected in zip(vectors, reference, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_the_int8_graph_stays_within_quantization_error_of_the_checkpoint(
+    embedder: OnnxMiniLMEmbedder, reference: list[np.ndarray[Any, Any]]
+) -> None:
+    vectors = embedder.embed_sync(SENTENCES)
+    cosines = [float(got @ expected) for got, expected in zip(vectors, reference, strict=True)]
+    assert min(cosines) > 0.98, cosines  # the shortest texts ("", "ok": two or three tokens) lose the most
+    assert float(np.mean(cosines)) > 0.99, cosines
+    assert max(cosines) < 1 - 1e-7  # really quantized: the float32 graph matches to about 1e-7
+
+
+def test_the_int8_graph_multiplies_in_integers() -> None:
+    directory = packaged_model_dir()
+    config = json.loads((directory / "config.json").read_text())
+    weights = read_safetensors(directory / "model.safetensors")
+    int8, float32 = encoder_model(weights, config, "int8"), encoder_model(weights, config, "float32")
+    # Six layers of six linear layers, each one MatMulInteger; the float32 graph has none.
+    assert int8.count(b"MatMulInteger") == 36 and b"MatMulInteger" not in float32
+    assert len(int8) < 0.7 * len(float32)  # int8 weights: a quarter of the bytes; embeddings stay float32
+
+
 def test_the_embedder_satisfies_the_protocol(embedder: OnnxMiniLMEmbedder) -> None:
     seam: Embedder = embedder
     assert seam.dimensions == 384
     assert seam.model_name == "all-MiniLM-L6-v2"
+    assert embedder.precision == "int8"  # the default build of the packaged checkpoint
 
 
 def test_vectors_are_384_wide_float32_and_unit_length(embedder: OnnxMiniLMEmbedder) -> None:
@@ -127,7 +172,7 @@ def test_a_single_string_is_rejected_rather_than_embedded_per_character(embedder
 
 
 def test_a_mounted_model_directory_can_replace_the_packages(tmp_path: Path) -> None:
-    shutil.copyfile(packaged_model_path(), tmp_path / "model.onnx")
+    (tmp_path / "model.onnx").write_bytes(packaged_model())
     shutil.copyfile(packaged_tokenizer_path(), tmp_path / "tokenizer.json")
     with OnnxMiniLMEmbedder.from_directory(tmp_path, coalesce_window_s=None, batch_size=4) as mounted:
         vectors = mounted.embed_sync(SENTENCES)
@@ -152,7 +197,7 @@ def test_a_corrupt_tokenizer_file_raises_embedding_error(tmp_path: Path) -> None
     corrupt = tmp_path / "tokenizer.json"
     corrupt.write_text('{"version": "1.0", "model": ')
     with pytest.raises(EmbeddingError):
-        OnnxMiniLMEmbedder(packaged_model_path(), corrupt)
+        OnnxMiniLMEmbedder(packaged_model(), corrupt)
 
 
 async def test_a_closed_embedder_raises_embedding_error() -> None:
@@ -162,3 +207,23 @@ async def test_a_closed_embedder_raises_embedding_error() -> None:
         embedder.embed_sync(["too late"])
     with pytest.raises(EmbeddingError):
         await embedder.embed(["too late"])
+
+
+def test_the_precision_setting_reaches_the_proxys_embedder(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from ibex_dataplane.proxy.app import _load_embedder
+    from ibex_dataplane.settings import Settings
+
+    monkeypatch.setenv("IBEX_MEMORY_EMBEDDING_PRECISION", "float32")
+    chosen = Settings().memory_embedding_precision
+    embedder = _load_embedder(chosen)
+    try:
+        assert isinstance(embedder, OnnxMiniLMEmbedder) and embedder.precision == "float32"
+    finally:
+        embedder.close()
+    monkeypatch.delenv("IBEX_MEMORY_EMBEDDING_PRECISION")
+    assert Settings().memory_embedding_precision == "int8"
+    monkeypatch.setenv("IBEX_MEMORY_EMBEDDING_PRECISION", "fp16")
+    with pytest.raises(ValidationError):
+        Settings()

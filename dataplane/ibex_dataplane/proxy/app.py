@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
 from ibex_dataplane.embedding.base import Embedder
+
+if TYPE_CHECKING:
+    from ibex_dataplane.embedding.onnx_graph import Precision
 from ibex_dataplane.providers.breaker import BreakerState
 from ibex_dataplane.providers.catalog import ModelCatalog, ModelKind, configured_providers, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
@@ -196,7 +200,9 @@ def create_app(
         metrics=metrics,
     )  # fmt: skip
 
-    local_embedder = LocalEmbedder(catalog, embedder, _load_embedder)
+    local_embedder = LocalEmbedder(
+        catalog, embedder, functools.partial(_load_embedder, settings.memory_embedding_precision)
+    )
 
     async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
         # No cookie jar: this client serves every tenant, so a cookie one tenant's provider answer sets must never
@@ -332,11 +338,11 @@ def create_app(
     return app
 
 
-def _load_embedder() -> Embedder:
+def _load_embedder(precision: Precision) -> Embedder:
     """The built-in embedding model from the installed packages (imported here: onnxruntime loads only if used)."""
     from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder
 
-    return OnnxMiniLMEmbedder.from_installed_packages()
+    return OnnxMiniLMEmbedder.from_installed_packages(precision)
 
 
 async def _sweep(budgets: BudgetService, sessions: SessionService, every: float = 30.0) -> None:
