@@ -42,6 +42,8 @@ _INT64: Final = 7
 _TENSOR_TYPES: Final = {np.dtype(np.float32): _FLOAT, np.dtype(np.uint8): _UINT8, np.dtype(np.int8): _INT8,
                         np.dtype(np.int64): _INT64}  # fmt: skip
 
+_INTEGER_BUFFERS: Final = frozenset({"I64", "I32"})  # safetensors dtypes of buffers such as position_ids
+
 Weights = Mapping[str, npt.NDArray[np.float32]]
 Precision = Literal["float32", "int8"]
 PRECISIONS: Final[tuple[Precision, ...]] = ("float32", "int8")
@@ -167,9 +169,6 @@ def read_safetensors(path: Path) -> dict[str, npt.NDArray[np.float32]]:
         start, end = info["data_offsets"]
         tensors[name] = np.frombuffer(body[start:end], dtype="<f4").reshape(info["shape"]).astype(np.float32)
     return tensors
-
-
-_INTEGER_BUFFERS: Final = frozenset({"I64", "I32"})
 
 
 def _norm_params(w: Weights, prefix: str) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
