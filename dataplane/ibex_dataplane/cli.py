@@ -1007,7 +1007,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("dev", "proxy"):  # the proxy's listener; other stages default to their own settings
         args.host = settings.host if args.host is None else args.host
         args.port = settings.port if args.port is None else args.port
-        problem = _port_problem(args.host, args.port)
+        # A worker of `ibex proxy --workers N` is not probed: its supervisor holds the port, and a sibling may be
+        # listening on it already (SO_REUSEPORT), which a plain probe would take for another program.
+        worker = args.command == "proxy" and args.worker_run_dir
+        problem = None if worker else _port_problem(args.host, args.port)
         if problem is not None:
             print(f"ibex {args.command}: {problem}", file=sys.stderr)
             return 2

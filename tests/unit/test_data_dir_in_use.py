@@ -155,3 +155,23 @@ def test_a_busy_port_stops_dev_and_proxy_before_anything_starts(tmp_path: Path, 
     assert code == 2
     assert f"ibex {command}: cannot listen on 127.0.0.1:{port}" in err and "--port 0 picks a free one" in err
     assert not (tmp_path / "data").exists()
+
+
+def test_a_proxy_worker_starts_on_the_port_its_siblings_already_listen_on(taken: Path, run: Run) -> None:
+    """`ibex proxy --workers N`: the supervisor reserves the port and each worker binds it with SO_REUSEPORT; a
+    worker that starts after a sibling listens is not refused the port (it goes on to its next check, here the
+    ClickHouse engine `ibex dev` holds)."""
+    with socket.socket() as placeholder, socket.socket() as sibling:
+        for sock in (placeholder, sibling):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+        sibling.bind(("127.0.0.1", port))
+        sibling.listen()
+        worker = ["--worker-run-dir", str(taken / "run"), "--worker-fds", "98,99"]
+        code, err = run("proxy", "--data-dir", str(taken), "--host", "127.0.0.1", "--port", str(port), *worker)
+        assert "cannot listen on" not in err
+        assert code == 2 and "holds the embedded ClickHouse engine" in err
+        code, err = run("proxy", "--data-dir", str(taken), "--host", "127.0.0.1", "--port", str(port))
+    assert code == 2 and f"ibex proxy: cannot listen on 127.0.0.1:{port}" in err  # not a worker: refused
