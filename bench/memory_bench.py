@@ -43,6 +43,7 @@ from aiohttp import ClientSession
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.cpu import cpu_ms_per_call, processes, stat_ticks  # noqa: E402
 from bench.figures import Figures, latency  # noqa: E402
 from bench.stack import embedded_stack  # noqa: E402
 from ibex_dataplane.embedding.splade import OnnxSpladeEncoder  # noqa: E402
@@ -177,30 +178,15 @@ def cpu_ticks() -> dict[str, int]:
              "ibex-splade": "sparse model", "ibex-pii": "PII"}  # fmt: skip
     names = {t.native_id: roles.get(t.name.split("_")[0], t.name) for t in threading.enumerate()}
     out: dict[str, int] = {}
-
-    def ticks(stat: Path) -> tuple[str, int]:
-        raw = stat.read_text()
-        fields = raw[raw.rindex(")") + 2 :].split()
-        return raw[raw.index("(") + 1 : raw.rindex(")")], int(fields[11]) + int(fields[12])
-
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         with contextlib.suppress(OSError, ValueError):
-            _, n = ticks(task / "stat")
+            _, _, n = stat_ticks(task / "stat")
             key = names.get(int(task.name), "onnxruntime pool")
             out[key] = out.get(key, 0) + n
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and proc.name != str(os.getpid()):
-            with contextlib.suppress(OSError, ValueError):
-                comm, n = ticks(proc / "stat")
-                if comm == "postgres":
-                    out["postgres"] = out.get("postgres", 0) + n
+    for pid, comm, _, n in processes():
+        if comm == "postgres" and pid != os.getpid():
+            out["postgres"] = out.get("postgres", 0) + n
     return out
-
-
-def cpu_ms_per_call(before: dict[str, int], after: dict[str, int], calls: int) -> dict[str, float]:
-    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
-    spent = {k: (after.get(k, 0) - before.get(k, 0)) * tick_ms / calls for k in after}
-    return {k: round(v, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v >= 0.05}
 
 
 async def copy_rows(

@@ -38,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.cpu import cpu_ms_per_call, tree_ticks
 from bench.durability import production_durability
 from bench.figures import Figures, latency
 from tests.support.upstream import API_KEY
@@ -74,6 +75,8 @@ spec:
   scopes: [chat]
   secretName: bench-key
 """
+
+STORES = ("postgres", "valkey-server")  # CPU by command name, whoever started them
 
 BODY = {
     "model": "bench-model",
@@ -143,13 +146,15 @@ def q(values: list[float], p: float) -> float:
 
 
 async def measure(
-    targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace, profiled: dict[str, int]
+    targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace, pids: dict[str, int]
 ) -> dict[str, Any]:
-    """Latency (interleaved rounds, sequential) and throughput (concurrent) of each target: name -> (url, headers).
-    ``profiled``: target name -> pid of the process to sample during its throughput phase (``--profile``)."""
+    """Latency (interleaved rounds, sequential) and throughput (concurrent) of each target: name -> (url, headers),
+    and the CPU each process spent per request of the throughput phase. ``pids``: target name -> pid of the
+    process serving it (``upstream`` too); ``--profile`` samples the ``ibex`` one during its throughput phase."""
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
     latencies: dict[str, list[float]] = {name: [] for name in targets}
     rps: dict[str, tuple[float, int]] = {}
+    cpu: dict[str, dict[str, float]] = {}
     async with aiohttp.ClientSession(connector=connector) as http:
         for url, headers in targets.values():  # warm up every path
             await timed(http, url, headers, 300)
@@ -157,13 +162,20 @@ async def measure(
             for name, (url, headers) in targets.items():
                 latencies[name] += await timed(http, url, headers, args.requests // args.rounds)
         for name, (url, headers) in targets.items():
-            profiler = profile_start(args.profile, profiled.get(name)) if args.profile else None
+            profiler = profile_start(args.profile, pids.get(name)) if args.profile and name == "ibex" else None
+            roots = {"upstream": pids["upstream"], **({"proxy": pids[name]} if name in pids else {})}
             try:
+                before = tree_ticks(roots, STORES)
                 rps[name] = await throughput(http, url, headers, args.throughput_requests, args.concurrency)
+                cpu[name] = {k: v * 1000 for k, v in cpu_ms_per_call(before, tree_ticks(roots, STORES),
+                                                                     args.throughput_requests).items()}  # fmt: skip
             finally:
                 if profiler is not None:
                     profile_stop(profiler)
-    return {name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name], values) for name, values in latencies.items()}
+    return {
+        name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name], values, cpu[name])
+        for name, values in latencies.items()
+    }
 
 
 def profile_start(path: str, pid: int | None) -> subprocess.Popen[bytes] | None:
@@ -291,7 +303,14 @@ def main() -> None:
                     litellm_url + "/v1/chat/completions",
                     {"Authorization": "Bearer sk-litellm-bench"},
                 )
-            result = asyncio.run(measure(targets, args, {"ibex": dev_proc.pid}))
+            pids = {
+                "upstream": upstream_proc.pid,
+                "ibex": dev_proc.pid,
+                **{f"workers={n}": proc.pid for n, proc in zip(args.workers, worker_procs, strict=True)},
+            }
+            if litellm_proc is not None:
+                pids["litellm"] = litellm_proc.pid
+            result = asyncio.run(measure(targets, args, pids))
         finally:
             if litellm_proc is not None:
                 stop(litellm_proc)
@@ -306,7 +325,7 @@ def main() -> None:
     direct = result["direct"][0]
     print(f"{'':10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}  {'added p50':>10}{'added p95':>10}{'added p99':>10}"
           "  req/s  errors")  # fmt: skip
-    for name, (lat, rps, errors, _) in result.items():
+    for name, (lat, rps, errors, _, _) in result.items():
         added = [lat[p] - direct[p] for p in (50, 95, 99)]
         print(f"{name:10}{lat[50]:9.3f}{lat[95]:9.3f}{lat[99]:9.3f}  {added[0]:10.3f}{added[1]:10.3f}{added[2]:10.3f}"
               f"  {rps:7.0f}  {errors:6d}")  # fmt: skip
@@ -319,8 +338,15 @@ def main() -> None:
     figures.put("method", f"{args.requests} sequential requests per target in {args.rounds} interleaved rounds; "
                 f"added = the target's quantile minus the direct upstream's quantile of the same run; throughput: "
                 f"{args.throughput_requests} requests at concurrency {args.concurrency}")  # fmt: skip
-    for name, (_, rps, errors, samples) in result.items():
-        figures.put(f"targets.{name}", {"latency": latency(samples, samples=True), "rps": rps, "errors": errors})
+    print(
+        "CPU per request of the throughput phase, core-microseconds by process (proxy: the process serving the "
+        "target; its children: the processes it started, such as workers and the ClickHouse engine):"
+    )
+    for name, (*_, cpu) in result.items():
+        print(f"  {name:10}" + ", ".join(f"{role} {us:.0f}" for role, us in cpu.items()))
+    for name, (_, rps, errors, samples, cpu) in result.items():
+        figures.put(f"targets.{name}", {"latency": latency(samples, samples=True), "rps": rps, "errors": errors,
+                                        "cpu_us_per_request": cpu})  # fmt: skip
         if name != "direct":
             figures.put(f"added.{name}", {f"p{p}": result[name][0][p] - direct[p] for p in (50, 95, 99)})
     if "litellm" in result:
@@ -328,7 +354,7 @@ def main() -> None:
             f"p{p}": (result["ibex"][0][p] - direct[p]) / (result["litellm"][0][p] - direct[p]) for p in (50, 99)
         })  # fmt: skip
     for n in args.workers:  # `ibex proxy --workers N` alone (the "ibex" target is `ibex dev`, every stage in one)
-        _, rps, errors, _ = result[f"workers={n}"]
+        _, rps, errors, _, _ = result[f"workers={n}"]
         figures.put(f"workers.{n}", {"rps": rps, "errors": errors})
     figures.write(args.json)
 

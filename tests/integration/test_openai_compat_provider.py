@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 from pydantic import SecretStr
@@ -33,6 +32,7 @@ from ibex_dataplane.providers.errors import (
 from ibex_dataplane.providers.openai_compat import OpenAICompatConfig, OpenAICompatProvider
 from ibex_dataplane.providers.registry import ProviderRegistry
 from ibex_dataplane.providers.tokens import TokenizerFamily, estimate_chat_tokens, estimate_text_tokens
+from ibex_dataplane.providers.transport import UpstreamClient
 from tests.support.upstream import API_KEY, UPSTREAM_USAGE, Script, Upstream, running_upstream
 
 
@@ -43,9 +43,10 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as client:
-        yield client
+async def client() -> AsyncIterator[UpstreamClient]:
+    upstreams = UpstreamClient()
+    yield upstreams
+    await upstreams.close()
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def fresh(upstream: Upstream) -> Upstream:
     return upstream
 
 
-def make_provider(upstream: Upstream, session: aiohttp.ClientSession, **overrides: Any) -> OpenAICompatProvider:
+def make_provider(upstream: Upstream, client: UpstreamClient, **overrides: Any) -> OpenAICompatProvider:
     settings: dict[str, Any] = {
         "base_url": upstream.url,
         "api_key": SecretStr(API_KEY),
@@ -64,7 +65,7 @@ def make_provider(upstream: Upstream, session: aiohttp.ClientSession, **override
         "read_timeout": 5.0,
         **overrides,
     }
-    return OpenAICompatProvider("openai", OpenAICompatConfig(**settings), session, catalog=ModelCatalog.builtin())
+    return OpenAICompatProvider("openai", OpenAICompatConfig(**settings), client, catalog=ModelCatalog.builtin())
 
 
 MESSAGES = [{"role": "user", "content": "Say hello"}]
@@ -104,7 +105,7 @@ async def drain(provider: OpenAICompatProvider, request: ChatRequest, received: 
 
 
 async def test_unknown_fields_pass_through_and_usage_comes_from_upstream(
-    fresh: Upstream, session: aiohttp.ClientSession
+    fresh: Upstream, client: UpstreamClient
 ) -> None:
     body = {
         "model": "alias-the-proxy-resolved",
@@ -113,7 +114,7 @@ async def test_unknown_fields_pass_through_and_usage_comes_from_upstream(
         "vendor_extension": {"nested": [1, {"deep": None}]},
         "seed": 7,
     }
-    response = await make_provider(fresh, session).complete(chat(body))
+    response = await make_provider(fresh, client).complete(chat(body))
     sent = fresh.bodies[0]
     assert sent["model"] == "gpt-4o"
     for key in ("temperature", "logit_bias", "vendor_extension", "seed", "messages"):
@@ -128,9 +129,9 @@ async def test_unknown_fields_pass_through_and_usage_comes_from_upstream(
     assert (response.model, response.provider) == ("gpt-4o", "openai")
 
 
-async def test_missing_upstream_usage_falls_back_to_estimates(fresh: Upstream, session: aiohttp.ClientSession) -> None:
+async def test_missing_upstream_usage_falls_back_to_estimates(fresh: Upstream, client: UpstreamClient) -> None:
     fresh.reset(Script(omit_usage=True))
-    response = await make_provider(fresh, session).complete(chat())
+    response = await make_provider(fresh, client).complete(chat())
     family = TokenizerFamily.OPENAI_O200K
     assert response.usage.estimated is True
     assert response.usage.prompt_tokens == estimate_chat_tokens(MESSAGES, family).tokens
@@ -139,10 +140,10 @@ async def test_missing_upstream_usage_falls_back_to_estimates(fresh: Upstream, s
 
 @pytest.mark.parametrize(("status", "retry_after"), [(500, None), (502, None), (503, None), (429, "0")])
 async def test_transient_failures_are_retried_before_the_first_byte(
-    fresh: Upstream, session: aiohttp.ClientSession, status: int, retry_after: str | None
+    fresh: Upstream, client: UpstreamClient, status: int, retry_after: str | None
 ) -> None:
     fresh.reset(Script(fail_first=2, fail_status=status, retry_after=retry_after))
-    response = await make_provider(fresh, session).complete(chat())
+    response = await make_provider(fresh, client).complete(chat())
     assert len(fresh.bodies) == 3
     assert response.body["choices"][0]["message"]["content"] == "Hello, world!"
 
@@ -156,29 +157,27 @@ async def test_transient_failures_are_retried_before_the_first_byte(
     ],
 )
 async def test_retries_stop_at_max_attempts(
-    fresh: Upstream, session: aiohttp.ClientSession, status: int, error: type[ProviderError], code: str
+    fresh: Upstream, client: UpstreamClient, status: int, error: type[ProviderError], code: str
 ) -> None:
     fresh.reset(Script(fail_first=10, fail_status=status))
     with pytest.raises(error) as raised:
-        await make_provider(fresh, session, max_attempts=2).complete(chat())
+        await make_provider(fresh, client, max_attempts=2).complete(chat())
     assert type(raised.value) is error
     assert raised.value.code == code
     assert raised.value.upstream_status == status
     assert len(fresh.bodies) == 2
 
 
-async def test_a_long_retry_after_is_not_waited_for_but_reported(
-    fresh: Upstream, session: aiohttp.ClientSession
-) -> None:
+async def test_a_long_retry_after_is_not_waited_for_but_reported(fresh: Upstream, client: UpstreamClient) -> None:
     fresh.reset(Script(fail_first=10, fail_status=429, retry_after="120"))
     with pytest.raises(ProviderUnavailable) as raised:
-        await make_provider(fresh, session).complete(chat())
+        await make_provider(fresh, client).complete(chat())
     assert raised.value.retry_after == 120.0
     assert len(fresh.bodies) == 1
 
 
 async def test_client_errors_pass_through_with_the_upstream_body_and_are_not_retried(
-    fresh: Upstream, session: aiohttp.ClientSession
+    fresh: Upstream, client: UpstreamClient
 ) -> None:
     error_body = {
         "error": {
@@ -190,16 +189,16 @@ async def test_client_errors_pass_through_with_the_upstream_body_and_are_not_ret
     }
     fresh.reset(Script(fail_first=10, fail_status=400, fail_body=error_body))
     with pytest.raises(UpstreamRejected) as raised:
-        await make_provider(fresh, session).complete(chat())
+        await make_provider(fresh, client).complete(chat())
     assert raised.value.status == 400
     assert raised.value.body == error_body
     assert len(fresh.bodies) == 1
 
 
 async def test_upstream_refusing_our_credentials_is_a_provider_error_not_a_401(
-    fresh: Upstream, session: aiohttp.ClientSession
+    fresh: Upstream, client: UpstreamClient
 ) -> None:
-    provider = make_provider(fresh, session, api_key=SecretStr("sk-wrong"))
+    provider = make_provider(fresh, client, api_key=SecretStr("sk-wrong"))
     with pytest.raises(ProviderError) as raised:
         await provider.complete(chat())
     assert type(raised.value) is ProviderError
@@ -208,23 +207,23 @@ async def test_upstream_refusing_our_credentials_is_a_provider_error_not_a_401(
     assert len(fresh.bodies) == 1
 
 
-async def test_connection_refused_is_unavailable_after_retries(session: aiohttp.ClientSession) -> None:
+async def test_connection_refused_is_unavailable_after_retries(client: UpstreamClient) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     config = OpenAICompatConfig(base_url=f"http://127.0.0.1:{port}/v1", backoff_base=0.01, max_attempts=2)
-    provider = OpenAICompatProvider("local", config, session)
+    provider = OpenAICompatProvider("local", config, client)
     with pytest.raises(ProviderUnavailable):
         await provider.complete(chat())
 
 
 async def test_a_hanging_upstream_times_out_at_the_deadline_and_sees_the_disconnect(
-    fresh: Upstream, session: aiohttp.ClientSession
+    fresh: Upstream, client: UpstreamClient
 ) -> None:
     fresh.reset(Script(hang=True))
     started = time.monotonic()
     with pytest.raises(ProviderTimeout) as raised:
-        await make_provider(fresh, session).complete(chat(deadline_in=0.3))
+        await make_provider(fresh, client).complete(chat(deadline_in=0.3))
     elapsed = time.monotonic() - started
     assert raised.value.status == 504
     assert 0.25 <= elapsed < 2.0
@@ -232,9 +231,9 @@ async def test_a_hanging_upstream_times_out_at_the_deadline_and_sees_the_disconn
     assert len(fresh.bodies) == 1
 
 
-async def test_a_passed_deadline_never_calls_the_upstream(fresh: Upstream, session: aiohttp.ClientSession) -> None:
+async def test_a_passed_deadline_never_calls_the_upstream(fresh: Upstream, client: UpstreamClient) -> None:
     with pytest.raises(ProviderTimeout):
-        await make_provider(fresh, session).complete(chat(deadline_in=-1))
+        await make_provider(fresh, client).complete(chat(deadline_in=-1))
     assert fresh.bodies == []
 
 
@@ -242,9 +241,9 @@ async def test_a_passed_deadline_never_calls_the_upstream(fresh: Upstream, sessi
 
 
 async def test_stream_forwards_chunks_and_hides_the_usage_chunk_the_client_did_not_ask_for(
-    fresh: Upstream, session: aiohttp.ClientSession
+    fresh: Upstream, client: UpstreamClient
 ) -> None:
-    payloads, done = await read_stream(make_provider(fresh, session), chat({"stream": True, "custom": "x"}))
+    payloads, done = await read_stream(make_provider(fresh, client), chat({"stream": True, "custom": "x"}))
     sent = fresh.bodies[0]
     assert sent["stream"] is True
     assert sent["stream_options"] == {"include_usage": True}
@@ -259,10 +258,10 @@ async def test_stream_forwards_chunks_and_hides_the_usage_chunk_the_client_did_n
 
 
 async def test_stream_keeps_the_usage_chunk_when_the_client_asked_and_bytes_are_untouched(
-    fresh: Upstream, session: aiohttp.ClientSession
+    fresh: Upstream, client: UpstreamClient
 ) -> None:
     body = {"stream": True, "stream_options": {"include_usage": True}}
-    payloads, done = await read_stream(make_provider(fresh, session), chat(body))
+    payloads, done = await read_stream(make_provider(fresh, client), chat(body))
     chunks = [orjson.loads(p) for p in payloads]
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == UPSTREAM_USAGE
@@ -270,48 +269,44 @@ async def test_stream_keeps_the_usage_chunk_when_the_client_asked_and_bytes_are_
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (11, 4)
 
 
-async def test_stream_without_upstream_usage_is_estimated(fresh: Upstream, session: aiohttp.ClientSession) -> None:
+async def test_stream_without_upstream_usage_is_estimated(fresh: Upstream, client: UpstreamClient) -> None:
     fresh.reset(Script(omit_usage=True))
-    _, done = await read_stream(make_provider(fresh, session), chat({"stream": True}))
+    _, done = await read_stream(make_provider(fresh, client), chat({"stream": True}))
     assert done.usage.estimated is True
     assert done.usage.completion_tokens == estimate_text_tokens("Hello, world!", TokenizerFamily.OPENAI_O200K)
 
 
-async def test_stream_is_retried_before_the_first_byte(fresh: Upstream, session: aiohttp.ClientSession) -> None:
+async def test_stream_is_retried_before_the_first_byte(fresh: Upstream, client: UpstreamClient) -> None:
     fresh.reset(Script(fail_first=1, fail_status=503))
-    payloads, _ = await read_stream(make_provider(fresh, session), chat({"stream": True}))
+    payloads, _ = await read_stream(make_provider(fresh, client), chat({"stream": True}))
     assert len(fresh.bodies) == 2
     assert payloads
 
 
-async def test_a_stream_dropped_mid_way_is_not_retried(fresh: Upstream, session: aiohttp.ClientSession) -> None:
+async def test_a_stream_dropped_mid_way_is_not_retried(fresh: Upstream, client: UpstreamClient) -> None:
     fresh.reset(Script(drop_after_chunks=2))
     received: list[bytes] = []
     with pytest.raises(ProviderStreamInterrupted):
-        await drain(make_provider(fresh, session), chat({"stream": True}), received)
+        await drain(make_provider(fresh, client), chat({"stream": True}), received)
     assert len(received) == 2
     assert len(fresh.bodies) == 1
 
 
-async def test_a_stream_that_goes_silent_times_out_at_the_deadline(
-    fresh: Upstream, session: aiohttp.ClientSession
-) -> None:
+async def test_a_stream_that_goes_silent_times_out_at_the_deadline(fresh: Upstream, client: UpstreamClient) -> None:
     fresh.reset(Script(silent_after_chunks=1))
     received: list[bytes] = []
     with pytest.raises(ProviderTimeout):
-        await drain(make_provider(fresh, session), chat({"stream": True}, deadline_in=0.4), received)
+        await drain(make_provider(fresh, client), chat({"stream": True}, deadline_in=0.4), received)
     assert len(received) == 1
     await asyncio.wait_for(fresh.disconnected.wait(), 2.0)
 
 
-async def test_cancelling_the_consumer_closes_the_upstream_connection(
-    fresh: Upstream, session: aiohttp.ClientSession
-) -> None:
+async def test_cancelling_the_consumer_closes_the_upstream_connection(fresh: Upstream, client: UpstreamClient) -> None:
     fresh.reset(Script(endless=True))
     first = asyncio.Event()
 
     async def consume() -> None:
-        async with make_provider(fresh, session).stream(chat({"stream": True}, deadline_in=30)) as events:
+        async with make_provider(fresh, client).stream(chat({"stream": True}, deadline_in=30)) as events:
             async for _ in events:
                 first.set()
                 await asyncio.sleep(0)  # where a proxy would write to its client
@@ -333,10 +328,10 @@ def breaker_state(provider: OpenAICompatProvider) -> BreakerState:
 
 
 async def test_consecutive_failures_open_the_breaker_which_then_fails_fast(
-    fresh: Upstream, session: aiohttp.ClientSession
+    fresh: Upstream, client: UpstreamClient
 ) -> None:
     fresh.reset(Script(fail_first=2, fail_status=500))
-    provider = make_provider(fresh, session, max_attempts=1, breaker_failure_threshold=2, breaker_cooldown=0.3)
+    provider = make_provider(fresh, client, max_attempts=1, breaker_failure_threshold=2, breaker_cooldown=0.3)
     for _ in range(2):
         with pytest.raises(ProviderError):
             await provider.complete(chat())
@@ -356,7 +351,7 @@ async def test_consecutive_failures_open_the_breaker_which_then_fails_fast(
 
 
 async def test_registry_falls_back_to_the_next_model_when_the_provider_is_unavailable(
-    fresh: Upstream, session: aiohttp.ClientSession
+    fresh: Upstream, client: UpstreamClient
 ) -> None:
     fresh.reset(Script(fail_first=10, fail_status=503))
     catalog = ModelCatalog.builtin()
@@ -366,7 +361,7 @@ async def test_registry_falls_back_to_the_next_model_when_the_provider_is_unavai
         },
         "fallbacks": {"gpt-4o": ["gpt-4o-mini", "echo"]},
     }
-    registry = ProviderRegistry.from_config(config, catalog, session)
+    registry = ProviderRegistry.from_config(config, catalog, client)
     try:
         response = await registry.complete(chat())
         assert response.model == "echo"

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from ibex_dataplane.embedding import Embedder, SparseEncoder
@@ -48,6 +47,7 @@ from ibex_dataplane.memory.sparse import SparseBackfill
 from ibex_dataplane.memory.tuning import SearchTuning
 from ibex_dataplane.providers.catalog import ModelCatalog, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
+from ibex_dataplane.providers.transport import UpstreamClient
 from ibex_dataplane.runtime.heap import HEAP
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.security.principal import PrincipalSigner
@@ -157,8 +157,8 @@ def create_memory_app(
     app[CAPTURE] = capture
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())  # shared by every tenant: no cookies
-        extractor.registry = ProviderRegistry.from_config(provider_config or {}, catalog, session)
+        upstreams = UpstreamClient()  # shared by every tenant (it keeps no cookies)
+        extractor.registry = ProviderRegistry.from_config(provider_config or {}, catalog, upstreams)
         outbox.start()
         if settings.memory_capture_worker:
             capture.start()
@@ -175,7 +175,7 @@ def create_memory_app(
             await background.drain()
             await budgets.drain()
             await extractor.registry.aclose()
-            await session.close()
+            await upstreams.close()
 
     app.cleanup_ctx.append(lifecycle)
     app[HEAP] = metrics.heap

@@ -36,16 +36,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 import orjson
 from pydantic import Field
 
 from ibex_dataplane.providers.base import ChatRequest, ChatResponse, StreamChunk, StreamDone, StreamEvent, Usage
 from ibex_dataplane.providers.breaker import CircuitBreaker
 from ibex_dataplane.providers.catalog import ModelCatalog
-from ibex_dataplane.providers.errors import ProviderError, ProviderStreamInterrupted, ProviderTimeout
+from ibex_dataplane.providers.errors import ProviderError, ProviderStreamInterrupted, ProviderTimeout, TransportError
 from ibex_dataplane.providers.http import HttpProvider, HttpProviderConfig
 from ibex_dataplane.providers.sse import SSEDecoder
+from ibex_dataplane.providers.transport import UpstreamClient, UpstreamResponse
 
 __all__ = ["AnthropicConfig", "AnthropicProvider", "anthropic_to_chat", "chat_to_anthropic"]
 
@@ -240,13 +240,13 @@ def anthropic_to_chat(message: Mapping[str, Any], model: str) -> tuple[dict[str,
 
 
 class AnthropicProvider(HttpProvider):
-    """``Provider`` for Anthropic's Messages API, over a shared ``aiohttp.ClientSession`` it does not own."""
+    """``Provider`` for Anthropic's Messages API, over a shared :class:`UpstreamClient` it does not own."""
 
     def __init__(
         self,
         name: str,
         config: AnthropicConfig,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         *,
         catalog: ModelCatalog | None = None,
         breaker: CircuitBreaker | None = None,
@@ -256,7 +256,7 @@ class AnthropicProvider(HttpProvider):
         if config.api_key is not None:
             auth["x-api-key"] = config.api_key.get_secret_value()
         super().__init__(
-            name, config, session, path="/messages", auth_headers=auth, catalog=catalog, breaker=breaker,
+            name, config, client, path="/messages", auth_headers=auth, catalog=catalog, breaker=breaker,
             jitter=jitter,
         )  # fmt: skip
 
@@ -296,7 +296,7 @@ class AnthropicProvider(HttpProvider):
                 response.close()  # drop the connection: the upstream sees the disconnect and stops generating
 
     async def _events(
-        self, request: ChatRequest, response: aiohttp.ClientResponse, finished: list[bool]
+        self, request: ChatRequest, response: UpstreamResponse, finished: list[bool]
     ) -> AsyncGenerator[StreamEvent, None]:
         decoder = SSEDecoder()
         include_usage = request.include_usage
@@ -321,14 +321,14 @@ class AnthropicProvider(HttpProvider):
         while not done:
             try:
                 async with asyncio.timeout(self._remaining(request)):
-                    data = await response.content.readany()
+                    data = await response.read_some()
             except TimeoutError as e:
                 self._breaker.record_failure()
                 error = self._timeout_error(request, "streaming")
                 if isinstance(error, ProviderTimeout):
                     raise error from e
                 raise ProviderStreamInterrupted("upstream went silent mid-stream", provider=self._name) from e
-            except aiohttp.ClientError as e:
+            except TransportError as e:
                 self._breaker.record_failure()
                 raise ProviderStreamInterrupted("upstream connection broke mid-stream", provider=self._name) from e
             for payload in decoder.feed(data) if data else decoder.flush():

@@ -16,6 +16,7 @@ __all__ = [
     "ProviderStreamInterrupted",
     "ProviderTimeout",
     "ProviderUnavailable",
+    "TransportError",
     "UnknownModel",
     "UpstreamRateLimited",
     "UpstreamRejected",
@@ -96,6 +97,12 @@ class UpstreamRejected(ProviderError):
         """The upstream's own status code."""
         assert self.upstream_status is not None
         return self.upstream_status
+
+
+class TransportError(Exception):
+    """The connection to an upstream failed: refused, reset, closed before the answer ended, or a malformed
+    answer (:mod:`ibex_dataplane.providers.transport`). Never reaches a client: the providers turn it into one of
+    the errors above."""
 
 
 class UnknownModel(LookupError):

@@ -22,7 +22,6 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any, Final, NoReturn
 
-import aiohttp
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -34,10 +33,12 @@ from ibex_dataplane.providers.errors import (
     ProviderError,
     ProviderTimeout,
     ProviderUnavailable,
+    TransportError,
     UpstreamRateLimited,
     UpstreamRejected,
 )
 from ibex_dataplane.providers.tokens import TokenizerFamily, estimate_chat_tokens, estimate_text_tokens
+from ibex_dataplane.providers.transport import UpstreamClient, UpstreamResponse
 
 __all__ = ["HttpProvider", "HttpProviderConfig", "retry_after_seconds"]
 
@@ -77,13 +78,13 @@ class _Retryable(Exception):
 
 
 class HttpProvider:
-    """The HTTP work every network provider shares, over a shared ``aiohttp.ClientSession`` it does not own."""
+    """The HTTP work every network provider shares, over a shared :class:`UpstreamClient` it does not own."""
 
     def __init__(
         self,
         name: str,
         config: HttpProviderConfig,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         *,
         path: str,
         auth_headers: Mapping[str, str],
@@ -93,7 +94,7 @@ class HttpProvider:
     ) -> None:
         self._name = name
         self._config = config
-        self._session = session
+        self._client = client
         self._catalog = catalog
         self._base_url = config.base_url.rstrip("/")
         self._url = self._base_url + path
@@ -101,9 +102,6 @@ class HttpProvider:
             failure_threshold=config.breaker_failure_threshold, cooldown=config.breaker_cooldown
         )
         self._jitter = jitter
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout
-        )
         self._headers: Mapping[str, str] = {"Content-Type": "application/json", **auth_headers, **config.headers}
 
     @property
@@ -115,7 +113,7 @@ class HttpProvider:
         return self._breaker
 
     async def aclose(self) -> None:
-        return None  # the session belongs to whoever created it
+        return None  # the client belongs to whoever created it
 
     # --- attempts ------------------------------------------------------------------------------------------
 
@@ -130,7 +128,7 @@ class HttpProvider:
             return ProviderTimeout(f"deadline passed while {what}", provider=self._name)
         return ProviderUnavailable(f"upstream went silent while {what}", provider=self._name)
 
-    async def _read_json(self, request: AnyRequest, response: aiohttp.ClientResponse) -> Any:
+    async def _read_json(self, request: AnyRequest, response: UpstreamResponse) -> Any:
         """The whole answer of an opened request, decoded, within the request's deadline. A silent or broken
         upstream counts as a failure for the breaker; the connection is released either way."""
         try:
@@ -140,7 +138,7 @@ class HttpProvider:
             response.close()
             self._breaker.record_failure()
             raise self._timeout_error(request, "reading the answer") from e
-        except aiohttp.ClientError as e:
+        except TransportError as e:
             response.close()
             self._breaker.record_failure()
             raise ProviderError("upstream connection broke while answering", provider=self._name) from e
@@ -155,7 +153,7 @@ class HttpProvider:
 
     async def _open(
         self, request: AnyRequest, payload: bytes, *, accept: str, url: str | None = None
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         """Send the request until an attempt gets a 200 (returned, unread) or no attempt is left."""
         headers = {**self._headers, "Accept": accept, "X-Request-ID": request.request_id}
         attempt = 0
@@ -188,18 +186,21 @@ class HttpProvider:
 
     async def _attempt(
         self, request: AnyRequest, payload: bytes, headers: Mapping[str, str], url: str
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         remaining = self._remaining(request)
+        config = self._config
         try:
             async with asyncio.timeout(remaining):
-                response = await self._session.post(url, data=payload, headers=headers, timeout=self._timeout)
+                response = await self._client.post(
+                    url, payload, headers, connect_timeout=config.connect_timeout, read_timeout=config.read_timeout
+                )
         except TimeoutError as e:
             self._breaker.record_failure()
             error = self._timeout_error(request, "waiting for the upstream")
             if isinstance(error, ProviderTimeout):
                 raise error from e
             raise _Retryable(error) from e
-        except aiohttp.ClientError as e:
+        except TransportError as e:
             self._breaker.record_failure()
             raise _Retryable(ProviderUnavailable("cannot reach the upstream", provider=self._name)) from e
         if response.status == 200:
@@ -210,9 +211,9 @@ class HttpProvider:
         finally:
             response.close()
 
-    async def _raise_for_status(self, request: AnyRequest, response: aiohttp.ClientResponse) -> NoReturn:
+    async def _raise_for_status(self, request: AnyRequest, response: UpstreamResponse) -> NoReturn:
         status = response.status
-        retry_after = retry_after_seconds(response.headers.get("Retry-After"))
+        retry_after = retry_after_seconds(response.headers.get("retry-after"))
         if status == 429:
             raise _Retryable(
                 UpstreamRateLimited(
@@ -251,12 +252,12 @@ class HttpProvider:
             )
         raise ProviderError(f"unexpected upstream status {status}", provider=self._name, upstream_status=status)
 
-    async def _error_body(self, request: AnyRequest, response: aiohttp.ClientResponse) -> dict[str, Any]:
+    async def _error_body(self, request: AnyRequest, response: UpstreamResponse) -> dict[str, Any]:
         raw = b""
         try:
             async with asyncio.timeout(self._remaining(request)):
-                raw = await response.content.read(_MAX_ERROR_BODY)
-        except (TimeoutError, aiohttp.ClientError, ProviderTimeout):
+                raw = await response.read_upto(_MAX_ERROR_BODY)
+        except (TimeoutError, TransportError, ProviderTimeout):
             pass
         try:
             parsed = orjson.loads(raw)

@@ -20,7 +20,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, M
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
-import aiohttp
 import orjson
 from pydantic import Field
 
@@ -40,9 +39,11 @@ from ibex_dataplane.providers.errors import (
     ProviderError,
     ProviderStreamInterrupted,
     ProviderTimeout,
+    TransportError,
 )
 from ibex_dataplane.providers.http import HttpProvider, HttpProviderConfig
 from ibex_dataplane.providers.sse import SSEDecoder
+from ibex_dataplane.providers.transport import UpstreamClient, UpstreamResponse
 
 __all__ = ["OpenAICompatConfig", "OpenAICompatProvider"]
 
@@ -61,13 +62,13 @@ class OpenAICompatConfig(HttpProviderConfig):
 
 
 class OpenAICompatProvider(HttpProvider):
-    """``Provider`` for an OpenAI-compatible upstream, over a shared ``aiohttp.ClientSession`` it does not own."""
+    """``Provider`` for an OpenAI-compatible upstream, over a shared :class:`UpstreamClient` it does not own."""
 
     def __init__(
         self,
         name: str,
         config: OpenAICompatConfig,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         *,
         catalog: ModelCatalog | None = None,
         breaker: CircuitBreaker | None = None,
@@ -75,7 +76,7 @@ class OpenAICompatProvider(HttpProvider):
     ) -> None:
         auth = {"Authorization": f"Bearer {config.api_key.get_secret_value()}"} if config.api_key is not None else {}
         super().__init__(
-            name, config, session, path="/chat/completions", auth_headers=auth, catalog=catalog, breaker=breaker,
+            name, config, client, path="/chat/completions", auth_headers=auth, catalog=catalog, breaker=breaker,
             jitter=jitter,
         )  # fmt: skip
         self._config: OpenAICompatConfig = config
@@ -137,7 +138,7 @@ class OpenAICompatProvider(HttpProvider):
     async def _events(
         self,
         request: ChatRequest,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         client_wants_usage: bool,
         state: _StreamState,
     ) -> AsyncGenerator[StreamEvent, None]:
@@ -149,14 +150,14 @@ class OpenAICompatProvider(HttpProvider):
         while not done:
             try:
                 async with asyncio.timeout(self._remaining(request)):
-                    data = await response.content.readany()
+                    data = await response.read_some()
             except TimeoutError as e:
                 self._breaker.record_failure()
                 error = self._timeout_error(request, "streaming")
                 if isinstance(error, ProviderTimeout):
                     raise error from e
                 raise ProviderStreamInterrupted("upstream went silent mid-stream", provider=self._name) from e
-            except aiohttp.ClientError as e:
+            except TransportError as e:
                 self._breaker.record_failure()
                 raise ProviderStreamInterrupted("upstream connection broke mid-stream", provider=self._name) from e
             payloads = decoder.feed(data) if data else decoder.flush()

@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Literal
 
-import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ibex_dataplane.providers.anthropic import AnthropicConfig, AnthropicProvider
@@ -46,6 +45,7 @@ from ibex_dataplane.providers.catalog import ECHO_PROVIDER, CatalogConfigError, 
 from ibex_dataplane.providers.echo import EchoProvider
 from ibex_dataplane.providers.errors import ProviderTimeout, ProviderUnavailable
 from ibex_dataplane.providers.openai_compat import OpenAICompatConfig, OpenAICompatProvider
+from ibex_dataplane.providers.transport import UpstreamClient
 
 __all__ = ["ProviderRegistry"]
 
@@ -111,20 +111,20 @@ class ProviderRegistry:
         cls,
         config: Mapping[str, Any],
         catalog: ModelCatalog,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         builtin: Mapping[str, Provider | EmbeddingProvider] | None = None,
     ) -> ProviderRegistry:
         """Echo, the ``builtin`` providers the caller owns (the proxy's in-process embedder) and one provider per
-        ``providers`` entry (``"type"``: ``openai_compat``, the default, or ``anthropic``), sharing ``session``
+        ``providers`` entry (``"type"``: ``openai_compat``, the default, or ``anthropic``), sharing ``client``
         (owned by the caller)."""
         spec = _parse(config)
         providers: dict[str, Provider | EmbeddingProvider] = {ECHO_PROVIDER: EchoProvider(catalog), **(builtin or {})}
         for name, provider_spec in spec.providers.items():
             fields = provider_spec.model_dump(exclude={"type"})
             if isinstance(provider_spec, _AnthropicSpec):
-                providers[name] = AnthropicProvider(name, AnthropicConfig(**fields), session, catalog=catalog)
+                providers[name] = AnthropicProvider(name, AnthropicConfig(**fields), client, catalog=catalog)
             else:
-                providers[name] = OpenAICompatProvider(name, OpenAICompatConfig(**fields), session, catalog=catalog)
+                providers[name] = OpenAICompatProvider(name, OpenAICompatConfig(**fields), client, catalog=catalog)
         try:
             return cls(catalog, providers, spec.fallbacks)
         except (ValueError, LookupError) as e:

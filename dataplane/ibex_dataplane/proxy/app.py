@@ -15,7 +15,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from aiohttp import web
 
 from ibex_dataplane.embedding.base import Embedder
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
 from ibex_dataplane.providers.breaker import BreakerState
 from ibex_dataplane.providers.catalog import ModelCatalog, ModelKind, configured_providers, load_provider_config
 from ibex_dataplane.providers.registry import ProviderRegistry
+from ibex_dataplane.providers.transport import UpstreamClient
 from ibex_dataplane.proxy.accounting import Accounting, BackgroundTasks
 from ibex_dataplane.proxy.analytics import AnalyticsRecorder
 from ibex_dataplane.proxy.auth import KeyValidator, decode_key, encode_key
@@ -205,11 +205,11 @@ def create_app(
     )
 
     async def providers_ctx(app: web.Application) -> AsyncIterator[None]:
-        # No cookie jar: this client serves every tenant, so a cookie one tenant's provider answer sets must never
-        # go out with another tenant's call (and the jar's work per request is saved).
-        session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+        # One client serves every tenant; it keeps no cookies, so nothing one tenant's upstream answer sets can go
+        # out with another tenant's call.
+        upstreams = UpstreamClient()
         registry = ProviderRegistry.from_config(
-            provider_config or {}, catalog, session, builtin={local_embedder.name: local_embedder}
+            provider_config or {}, catalog, upstreams, builtin={local_embedder.name: local_embedder}
         )
         accounting = Accounting(
             catalog=catalog, budgets=budgets, rate_limiter=rate_limiter, sessions=sessions, analytics=analytics,
@@ -270,7 +270,7 @@ def create_app(
             await budgets.drain()
             await analytics.stop()
             await registry.aclose()
-            await session.close()
+            await upstreams.close()
             await context_client.close()
             local_embedder.close()
 
