@@ -166,6 +166,17 @@ def target_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     row("proxy added latency p99", 3.0, _get(added, "ibex", "p99"), "ms", why="proxy benchmark missing")
     row("requests/s of one proxy process", 3000, _get(proxy, "workers", "1", "rps"), "req/s", at_most=False,
         why="proxy benchmark missing")  # fmt: skip
+    # The same target read from the process's own CPU: what it would serve with a core to itself, which this machine
+    # cannot show directly (the load generator, the upstream and Postgres share its two cores).
+    own_us = _get(proxy, "targets", "workers=1", "cpu_us_per_request", "proxy")
+    row(
+        "requests/s one proxy process serves per core-second of its own CPU (1 / CPU per request)",
+        3000,
+        1e6 / own_us if own_us else None,
+        "req/s",
+        at_most=False,
+        why="no CPU figure in the proxy benchmark",
+    )
     ratio_p50 = _get(proxy, "ratio_litellm", "p50")
     ratio_p99 = _get(proxy, "ratio_litellm", "p99")
     no_litellm = "LiteLLM not measured (no --litellm)"
@@ -296,6 +307,14 @@ def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, 
                 "Inclusive share of py-spy samples of the proxy process during the throughput phase "
                 "(the project's functions; the frames every request passes through are left out):", ""]  # fmt: skip
         out += [f"- {share:.1f} % {name}" for name, share in proxy["profile_top"]]
+    cpu = {name: t["cpu_us_per_request"] for name, t in (_get(proxy, "figures", "targets") or {}).items()
+           if t.get("cpu_us_per_request")}  # fmt: skip
+    if cpu:
+        out += ["", "## CPU per request by process", "",
+                "Core-microseconds of each process per request of the throughput phase, from /proc (proxy: the "
+                "process serving the target; its children: the processes it started, such as workers and the "
+                "embedded ClickHouse engine; client: the load generator):", ""]  # fmt: skip
+        out += [f"- {name}: " + ", ".join(f"{role} {us:.0f}" for role, us in by.items()) for name, by in cpu.items()]
     phases = _get(results, "memory", "figures", "search")
     if phases:
         out += ["", "## Where search time goes", ""]
@@ -362,7 +381,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
         "--only", default="",
-        help="comma-separated subset (proxy, memory, context, rss); the others are kept from the same day's report",
+        help="comma-separated subset (proxy, memory, context, rss); the others are kept from the day's report, or "
+        "else from the latest earlier one",
     )  # fmt: skip
     args = parser.parse_args()
     env = environment(args)
@@ -373,8 +393,10 @@ def main() -> None:
     env["load_after"] = list(os.getloadavg())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     prefix = args.out_dir / env["date"][:10]
-    if only and prefix.with_suffix(".json").exists():  # a partial run: the rest comes from the day's report
-        earlier = json.loads(prefix.with_suffix(".json").read_text())
+    # A partial run: the rest comes from the day's report, or else from the latest earlier one (marked as kept).
+    reports = sorted(p for p in args.out_dir.glob("????-??-??.json") if p.stem <= prefix.name)
+    if only and reports:
+        earlier = json.loads(reports[-1].read_text())
         for name, res in earlier["benchmarks"].items():
             if name not in results:
                 kept = {**res, "earlier": res.get("earlier") or earlier["environment"]["date"]}

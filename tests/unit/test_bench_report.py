@@ -19,7 +19,11 @@ def results() -> dict[str, Any]:
         return {"latency": latency(values, samples=True), "rps": 100.0, "errors": 0}
 
     proxy = {
-        "targets": {"direct": lat([0.5, 0.6, 0.7]), "ibex": lat([2.5, 3.0, 9.0])},
+        "targets": {
+            "direct": lat([0.5, 0.6, 0.7]),
+            "ibex": lat([2.5, 3.0, 9.0]),
+            "workers=1": {**lat([2.4, 2.9, 8.0]), "cpu_us_per_request": {"proxy": 400.0, "postgres": 150.0}},
+        },
         "added": {"ibex": {"p50": 2.4, "p95": 5.0, "p99": 8.3}},
         "workers": {"1": {"rps": 200.0, "errors": 0}, "2": {"rps": 320.0, "errors": 0}},
         "durability": {"synchronous_commit": "on", "fsync": "on"},
@@ -64,6 +68,8 @@ def test_targets_say_met_or_by_how_much_they_are_missed() -> None:
     assert (concurrent["measured"], concurrent["met"]) == (100.0, False)
     context = rows["context assembly p95 at 10k memories"]
     assert context["measured"] == 51.0 and context["met"] is False  # the median of the repeats' p95 (50, 51, 52)
+    capacity = rows["requests/s one proxy process serves per core-second of its own CPU"]
+    assert (capacity["measured"], capacity["met"]) == (2500.0, False)  # 1 / 400 us
     litellm = rows["added latency ours / LiteLLM, p50"]
     assert litellm["met"] is None and "not measured" in litellm["note"]
 
@@ -101,6 +107,7 @@ def test_plots_and_markdown_are_written(tmp_path: Path) -> None:
     assert "| proxy added latency p50 | 1 ms | 2.4 ms | no | missed by 1.4 ms (2.4x) |" in text
     assert "Postgres synchronous_commit = on, fsync = on" in text
     assert "- 12.5 % gate (proxy/generation.py)" in text
+    assert "- workers=1: proxy 400, postgres 150" in text
     assert "![Throughput vs workers](2026-12-02-proxy-workers.png)" in text
 
 
