@@ -12,45 +12,57 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 
-def stat_ticks(stat: Path) -> tuple[str, int, int]:
-    """(command name, parent pid, user + system ticks) of a ``/proc/<pid>/stat`` or ``.../task/<tid>/stat``."""
+class Ticks(NamedTuple):
+    name: str  # the command name
+    parent: int  # the parent's pid
+    user: int
+    system: int  # in the kernel on the process's behalf: syscalls, such as socket sends and receives
+
+    @property
+    def total(self) -> int:
+        return self.user + self.system
+
+
+def stat_ticks(stat: Path) -> Ticks:
+    """The ticks of a ``/proc/<pid>/stat`` or ``.../task/<tid>/stat``."""
     raw = stat.read_text()
     fields = raw[raw.rindex(")") + 2 :].split()
-    return raw[raw.index("(") + 1 : raw.rindex(")")], int(fields[1]), int(fields[11]) + int(fields[12])
+    return Ticks(raw[raw.index("(") + 1 : raw.rindex(")")], int(fields[1]), int(fields[11]), int(fields[12]))
 
 
-def processes() -> Iterator[tuple[int, str, int, int]]:
-    """(pid, command name, parent pid, ticks) of every process still readable."""
+def processes() -> Iterator[tuple[int, Ticks]]:
+    """(pid, ticks) of every process still readable."""
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             with contextlib.suppress(OSError, ValueError):
-                yield (int(proc.name), *stat_ticks(proc / "stat"))
+                yield int(proc.name), stat_ticks(proc / "stat")
 
 
 def tree_ticks(roots: dict[str, int], by_name: tuple[str, ...] = ()) -> dict[str, int]:
-    """Ticks by role: each named root process (``role``) and its descendants apart (``role's children``), every
-    process whose command name is in ``by_name`` under that name (e.g. ``postgres``), and this process
-    (``client``)."""
-    table = {pid: (name, parent, ticks) for pid, name, parent, ticks in processes()}
-    owner: dict[int, str] = {}
-    for role, pid in roots.items():
-        owner[pid] = role
+    """Ticks by role: each named root process (``role``, and ``role, in the kernel`` for its system time alone) and
+    its descendants apart (``role's children``), every process whose command name is in ``by_name`` under that name
+    (e.g. ``postgres``), and this process (``client``)."""
+    table = dict(processes())
+    owner = {pid: role for role, pid in roots.items()}
     changed = True
     while changed:  # descendants take their root's role
         changed = False
-        for pid, (_, parent, _) in table.items():
-            if pid not in owner and parent in owner:
-                root = owner[parent]
+        for pid, ticks in table.items():
+            if pid not in owner and ticks.parent in owner:
+                root = owner[ticks.parent]
                 owner[pid] = root if root.endswith("'s children") else f"{root}'s children"
                 changed = True
     out: dict[str, int] = {}
     me = os.getpid()
-    for pid, (name, _, ticks) in table.items():
-        consumer = "client" if pid == me else name if name in by_name else owner.get(pid)
+    for pid, ticks in table.items():
+        consumer = "client" if pid == me else ticks.name if ticks.name in by_name else owner.get(pid)
         if consumer is not None:
-            out[consumer] = out.get(consumer, 0) + ticks
+            out[consumer] = out.get(consumer, 0) + ticks.total
+        if pid in roots.values():
+            out[f"{owner[pid]}, in the kernel"] = ticks.system
     return out
 
 

@@ -180,12 +180,12 @@ def cpu_ticks() -> dict[str, int]:
     out: dict[str, int] = {}
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         with contextlib.suppress(OSError, ValueError):
-            _, _, n = stat_ticks(task / "stat")
+            n = stat_ticks(task / "stat").total
             key = names.get(int(task.name), "onnxruntime pool")
             out[key] = out.get(key, 0) + n
-    for pid, comm, _, n in processes():
-        if comm == "postgres" and pid != os.getpid():
-            out["postgres"] = out.get("postgres", 0) + n
+    for pid, ticks in processes():
+        if ticks.name == "postgres" and pid != os.getpid():
+            out["postgres"] = out.get("postgres", 0) + ticks.total
     return out
 
 
