@@ -207,6 +207,17 @@ async def test_upstream_refusing_our_credentials_is_a_provider_error_not_a_401(
     assert len(fresh.bodies) == 1
 
 
+async def test_a_redirect_is_a_provider_error_that_is_neither_followed_nor_retried(
+    fresh: Upstream, client: UpstreamClient
+) -> None:
+    fresh.reset(Script(fail_first=10, fail_status=302, fail_body={"moved": True}))
+    with pytest.raises(ProviderError) as raised:
+        await make_provider(fresh, client).complete(chat())
+    assert type(raised.value) is ProviderError
+    assert raised.value.upstream_status == 302
+    assert len(fresh.bodies) == 1
+
+
 async def test_connection_refused_is_unavailable_after_retries(client: UpstreamClient) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -276,6 +276,32 @@ async def test_a_silent_upstream_times_out_after_the_read_timeout(client: Upstre
         await asyncio.wait_for(upstream.closed_by_client.wait(), 10)  # the client hung up
 
 
+async def test_a_redirect_reaches_the_caller_unfollowed(client: UpstreamClient) -> None:
+    moved = b"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:9/elsewhere\r\nContent-Length: 0\r\n\r\n"
+    async with serving(fixed(moved)) as upstream:
+        status, headers, body = await post(client, upstream.url)
+    assert (status, headers["location"], body) == (302, "http://127.0.0.1:9/elsewhere", b"")
+    assert len(upstream.requests) == 1
+
+
+async def test_proxy_variables_of_the_environment_are_ignored(
+    client: UpstreamClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy named in the environment (here one that refuses every connection) is not used: calls go straight
+    to the upstream."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    async with serving(fixed(OK)) as upstream:
+        assert await post(client, upstream.url) == (
+            200,
+            {"content-type": "application/json", "content-length": "12"},
+            b'{"ok": true}',
+        )
+    assert len(upstream.requests) == 1
+
+
 async def test_a_header_with_a_line_break_is_refused_before_anything_is_sent(client: UpstreamClient) -> None:
     async with serving(fixed(OK)) as upstream:
         with pytest.raises(ValueError, match="line break"):
