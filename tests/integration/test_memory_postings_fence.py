@@ -19,7 +19,7 @@ from ibex_dataplane.runtime.stores import Stores
 from tests.support.tenants import TenantFactory
 
 SPARSE = "ibex_memory_sparse_postings($1, $2::integer[], $3::real[], NULL, '{}', 10, 400)"
-TEXT = "ibex_memory_text_bm25_postings($1, $2, NULL, '{}', 10, 400, 10)"  # idf population capped: the fence alone
+TEXT = "ibex_memory_text_bm25_given_n($1, $2, NULL, '{}', 10, 400, 10)"  # idf's N given: the fence alone
 MATCHED = 6
 RARE_TOKEN = 29999
 

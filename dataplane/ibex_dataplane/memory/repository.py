@@ -31,6 +31,7 @@ from ibex_dataplane.memory.models import (
     Supersession,
     Tenant,
 )
+from ibex_dataplane.memory.populations import Populations
 from ibex_dataplane.memory.validation import ListQuery
 from ibex_dataplane.store.postgres import Database, postgres_errors
 
@@ -165,7 +166,8 @@ UPDATE memories m SET retrieval_count = m.retrieval_count + 1, last_retrieved_at
 # history reads need superseded rows, which keep no postings, and go through the GIN index (migration 0011). Both
 # are SECURITY DEFINER functions because `@@` and the postings must be read under row-level security.
 #   $1 org  $2 agent  $3 instant (NULL: now)  $4 query text  $5 text candidates  $6 min confidence (NULL: none)
-#   $7 labels  $8 rows read per query term  $9 memories counted for idf
+#   $7 labels  $8 rows read per query term  $9 memories of the agent for idf (current: counted by the caller;
+#   history: the cap of the function's own count)
 # Two variants each, so the current one names `status = 'active'` literally: the partial HNSW index only serves
 # queries whose predicate implies its own, and a parameterized status would hide that from a generic plan.
 def _filters(statuses: str, confidence: str, labels: str) -> str:
@@ -222,7 +224,13 @@ def _text_sql(statuses: str, function: str) -> str:
 
 _VECTOR_CURRENT = _vector_sql("= 'active'")
 _VECTOR_HISTORY = _vector_sql("IN ('active', 'superseded')")
-_TEXT_CURRENT = _text_sql("= 'active'", "ibex_memory_text_bm25_postings($2, $4, $6::real, $7::text[], $5, $8, $9)")
+_TEXT_CURRENT = _text_sql("= 'active'", "ibex_memory_text_bm25_given_n($2, $4, $6::real, $7::text[], $5, $8, $9)")
+# The text leg's N (migration 0038): the agent's active memories, counted up to a cap ($3), at most once a minute.
+_POPULATION = """
+SELECT count(*) FROM (
+    SELECT 1 FROM memories m WHERE m.org_id = $1 AND m.agent_id = $2 AND m.status = 'active' LIMIT $3
+) a
+"""
 # Sparse leg (migration 0025): sum(q_w * d_w) over the query's SPLADE tokens, current reads only (superseded rows
 # keep no postings).  $1 org  $2 agent  $3 instant (NULL: now; unused)  $4 tokens  $5 weights  $6 candidates
 #   $7 min confidence  $8 labels  $9 postings read per token
@@ -297,9 +305,10 @@ def memory_of(row: asyncpg.Record) -> Memory:
 class MemoryRepository:
     """SQL over one :class:`Database`; every method is scoped by the :class:`Tenant` it is given."""
 
-    def __init__(self, db: Database, *, ef_search: int = 100) -> None:
+    def __init__(self, db: Database, *, ef_search: int = 100, populations: Populations | None = None) -> None:
         self._db = db
         self._ef_search = int(ef_search)
+        self._populations = populations if populations is not None else Populations()
 
     @asynccontextmanager
     async def transaction(self, tenant: Tenant, *, readonly: bool = False) -> AsyncIterator[asyncpg.Connection]:
@@ -469,12 +478,23 @@ class MemoryRepository:
         term_rows: int = 400,
         population: int = 20000,
     ) -> list[SearchRow]:
-        """The text leg: the ``candidates`` best BM25 matches; ``term_rows`` and ``population`` bound its statistics."""
+        """The text leg: the ``candidates`` best BM25 matches; ``term_rows`` and ``population`` bound its statistics.
+
+        A current read takes the agent's memory count (idf's N, at most ``population``) from the population cache,
+        counting it in this transaction when the cache has none.
+        """
         async with self.transaction(tenant, readonly=True) as conn:
             await self._ann_settings(conn)
+            n = population
+            if at is None:
+                cached = self._populations.get(tenant.org_id, tenant.agent_id)
+                if cached is None:
+                    cached = int(await conn.fetchval(_POPULATION, tenant.org_id, tenant.agent_id, population))
+                    self._populations.put(tenant.org_id, tenant.agent_id, cached)
+                n = cached
             rows = await conn.fetch(
                 _TEXT_CURRENT if at is None else _TEXT_HISTORY, tenant.org_id, tenant.agent_id, at, text, candidates,
-                min_confidence, list(labels), term_rows, population,
+                min_confidence, list(labels), term_rows, n,
             )  # fmt: skip
         return [_search_row(r) for r in rows]
 
