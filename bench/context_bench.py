@@ -2,9 +2,9 @@
 
 Starts its own embedded stores, the memory stage, the context stage and the proxy in-process (real Postgres +
 pgvector, Valkey, the ONNX embedder, Presidio), creates tenants through the real reconcile code, gives one agent
-``--memories`` memories (setup shortcut, as in ``bench/memory_bench.py``: rows embedded with the same embedder and
-COPY'd as the admin role; the hot cache is filled by writing ``--hot`` more through the real refinery), then
-measures, side by side in one run:
+``--memories`` memories (setup shortcut, as in ``bench/memory_bench.py``: rows embedded with the same embedder,
+COPY'd as the admin role, then vacuumed and analyzed; the hot cache is filled by writing ``--hot`` more through
+the real refinery), then measures, side by side in one run:
 
 1. ``Assemble`` over gRPC with a signed principal, as the proxy calls it: query masking and embedding, the hot and
    cold branches, budget, knapsack packing, formatting. The stage runs with deadlines raised to 5 s so the real
