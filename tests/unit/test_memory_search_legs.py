@@ -13,7 +13,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from ibex_dataplane.embedding import Embedder, EmbeddingError
+from ibex_dataplane.embedding import Embedder, EmbeddingError, SparseEncoder, SparseVector
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.memory.query_cache import QueryCache
@@ -93,3 +93,36 @@ async def test_a_failing_embedder_is_a_degraded_search_and_nothing_is_cached() -
     with pytest.raises(Degraded, match="embedding model is unavailable"):
         await search.search(Tenant(uuid.uuid4(), uuid.uuid4()), SearchQuery(query="where is the lighthouse"))
     assert len(cache) == 0
+
+
+class Expands:
+    """A sparse model that gives every query 20 tokens of rising weight."""
+
+    model_name = "test"
+
+    async def encode(self, texts: list[str]) -> list[SparseVector]:
+        tokens = np.arange(100, 120, dtype=np.int32)
+        return [SparseVector(tokens, np.linspace(0.1, 2.0, 20, dtype=np.float32)) for _ in texts]
+
+
+class SparseRecorder(QuietRepository):
+    def __init__(self) -> None:
+        self.sparse: list[SparseVector] = []
+
+    async def search_sparse(self, tenant: Tenant, *, vector: asyncio.Future[SparseVector], **_: Any) -> list[Any]:
+        self.sparse.append(await vector)
+        return []
+
+
+@pytest.mark.parametrize("kept", [12, 5, 0])
+async def test_the_sparse_leg_reads_only_the_strongest_query_tokens(kept: int) -> None:
+    repo = SparseRecorder()
+    search = MemorySearch(
+        cast(MemoryRepository, repo), cast(Embedder, Embeds()), cast(Redactor, PlainRedactor()), MemoryMetrics(),
+        SearchTuning(sparse_query_tokens=kept), cast(SparseEncoder, Expands()), cache=QueryCache(8),
+    )  # fmt: skip
+    tenant = Tenant(uuid.uuid4(), uuid.uuid4())
+    for _ in range(2):  # the second answer comes from the query cache
+        await search.search(tenant, SearchQuery(query="where is the lighthouse"))
+    expected = list(range(120 - (kept or 20), 120))
+    assert [v.tokens.tolist() for v in repo.sparse] == [expected, expected]

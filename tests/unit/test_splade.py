@@ -92,6 +92,16 @@ def test_dot_sums_over_shared_tokens_only() -> None:
     assert a.dot(b) == pytest.approx(2.0 * 0.5 + 3.0 * 1.0)
 
 
+def test_strongest_keeps_the_largest_weights_in_token_order() -> None:
+    v = SparseVector(np.array([2, 5, 8, 11, 30], np.int32), np.array([0.3, 1.5, 0.3, 2.0, 0.9], np.float32))
+    top = v.strongest(3)
+    assert top.tokens.tolist() == [5, 11, 30]
+    assert top.weights.tolist() == pytest.approx([1.5, 2.0, 0.9])
+    assert v.strongest(2).tokens.tolist() == [5, 11]
+    assert v.strongest(4).tokens.tolist() == [2, 5, 11, 30]  # a tie goes to the lower token id
+    assert v.strongest(0) is v and v.strongest(5) is v and v.strongest(9) is v
+
+
 def test_protobuf_varints_encode_negative_int64_as_ten_bytes() -> None:
     assert _varint(1) == b"\x01"
     assert _varint(300) == b"\xac\x02"

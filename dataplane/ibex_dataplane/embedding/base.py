@@ -65,6 +65,13 @@ class SparseVector:
         _, mine, theirs = np.intersect1d(self.tokens, other.tokens, assume_unique=True, return_indices=True)
         return float(np.dot(self.weights[mine], other.weights[theirs]))
 
+    def strongest(self, k: int) -> SparseVector:
+        """The ``k`` largest weights (ties: the lower token id), in ascending token order; all of them if ``k`` <= 0."""
+        if k <= 0 or len(self.tokens) <= k:
+            return self
+        keep = np.sort(np.argsort(-self.weights, kind="stable")[:k])
+        return SparseVector(self.tokens[keep], self.weights[keep])
+
 
 class SparseEncoder(Protocol):
     """Turns texts into sparse vocabulary weights; raises ``EmbeddingError`` for every failure of the model."""

@@ -260,7 +260,7 @@ class MemorySearch:
 
     async def _sparse_weights(self, masked: str) -> SparseVector:
         assert self._sparse is not None
-        return (await self._sparse.encode([masked]))[0]
+        return (await self._sparse.encode([masked]))[0].strongest(self.tuning.sparse_query_tokens)
 
     def _encoded(
         self, phase: str, started: float, cached: T | None, encode: Callable[[], Awaitable[T]], model: str

@@ -37,6 +37,7 @@ class SearchTuning:
     sparse_weight: float = 0.2  # SPLADE dot product added to the BM25 score, in BM25 units (0: no sparse leg)
     sparse_candidates: int = 60
     sparse_term_rows: int = 400  # postings read per query token (the highest weights)
+    sparse_query_tokens: int = 12  # the query's strongest SPLADE tokens the sparse leg reads (0: all)
     name_weight: float = 0.10  # lift for a memory holding a name the query mentions (see names_in)
     time_weight: float = 0.10  # lift for memories valid from inside a period the query names
     neighbour_weight: float = 0.35  # share of a neighbour's evidence lent to a memory observed close to it
