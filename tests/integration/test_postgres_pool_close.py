@@ -1,5 +1,7 @@
-"""Closing a pool never waits forever: a connection that a stuck task still holds is terminated after the close's
-timeout, so a process (or a test's teardown) shuts down instead of hanging on it."""
+"""A pool never makes anyone wait forever. Closing it: a connection that a stuck task still holds is terminated after
+the close's timeout, so a process (or a test's teardown) shuts down instead of hanging on it. Acquiring from it:
+a caller that names no timeout still gets one, so a pool drained by connections that never come back fails its
+callers instead of hanging them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
+from ibex_dataplane.store import postgres
 from ibex_dataplane.store.postgres import close_pool, create_pool
 
 
@@ -33,6 +36,27 @@ async def test_a_pool_with_everything_released_closes_cleanly(
         await close_pool(pool, timeout=30)
     assert pool.is_closing()
     assert not [r for r in caplog.records if "terminating" in r.getMessage()]  # closed, not cut short
+
+
+async def test_acquiring_from_a_drained_pool_without_a_timeout_times_out(
+    runtime_info: RuntimeInfo, stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:  # `stores`: the schema (pgvector's type, which every pooled connection registers) is migrated
+    monkeypatch.setattr(postgres, "ACQUIRE_TIMEOUT", 0.3)
+    pool = await create_pool(runtime_info.postgres_app_dsn, min_size=1, max_size=1)
+    try:
+        held = await pool.acquire()  # the only connection, never given back
+        async with asyncio.timeout(30) as guard:  # the test's own bound, in case the pool's were missing
+            with pytest.raises(TimeoutError):
+                await pool.acquire()
+            with pytest.raises(TimeoutError):
+                async with pool.acquire():  # the context-manager form is bounded the same way
+                    pass
+        assert not guard.expired()  # the pool's bound fired, not the test's
+        await pool.release(held)
+        async with pool.acquire() as conn:  # and the pool still serves once a connection comes back
+            assert await conn.fetchval("SELECT 1") == 1
+    finally:
+        await close_pool(pool, timeout=5)
 
 
 async def _ends(stores: Stores, pid: int) -> bool:

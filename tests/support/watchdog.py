@@ -38,22 +38,35 @@ def bound(phase: str = "call") -> float:
 
 
 def dump(nodeid: str, seconds: float, out: TextIO) -> None:
-    """Every thread's stack and every pending task of every running event loop, to ``out``."""
+    """Every thread's stack and every pending task of every running event loop, to ``out``.
+
+    What a reader needs most comes last, because a CI log is often read from its tail: the other threads and
+    loops first, then the tasks of the loop the main thread runs (the test's own), then the main thread's stack,
+    then the headline again."""
     print(f"\n=== watchdog: {nodeid} still running after {seconds:.0f} s ===", file=out, flush=True)
+    main = threading.main_thread().ident
     names = {t.ident: t.name for t in threading.enumerate()}
-    for ident, frame in sys._current_frames().items():
-        print(f"--- thread {names.get(ident, ident)} ---", file=out)
-        traceback.print_stack(frame, file=out)
+    frames = sys._current_frames()
     loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+    loops.sort(key=lambda loop: getattr(loop, "_thread_id", None) == main)  # the main thread's loop last
+    for ident, frame in frames.items():
+        if ident != main:
+            print(f"--- thread {names.get(ident, ident)} ---", file=out)
+            traceback.print_stack(frame, file=out)
     for loop in loops:
         tasks = asyncio.all_tasks(loop)
-        print(f"--- {len(tasks)} pending asyncio tasks ---", file=out, flush=True)
+        owner = names.get(getattr(loop, "_thread_id", None), "?")
+        print(f"--- {len(tasks)} pending asyncio tasks of the loop in thread {owner} ---", file=out, flush=True)
         for task in tasks:
             print(f"* {task.get_name()}: {task.get_coro()!r}", file=out)
             try:
                 task.print_stack(limit=30, file=out)
             except Exception as e:  # compiled coroutines (grpc's) have no Python frames to print
                 print(f"  (no stack: {type(e).__name__}: {e})", file=out)
+    if main in frames:
+        print(f"--- thread {names.get(main, main)} ---", file=out)
+        traceback.print_stack(frames[main], file=out)
+    print(f"=== watchdog: {nodeid} still running after {seconds:.0f} s (end of dump) ===", file=out)
     out.flush()
 
 

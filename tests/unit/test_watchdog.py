@@ -32,6 +32,11 @@ async def test_the_dump_names_the_thread_and_the_task_a_hang_waits_in() -> None:
     assert "tests/x.py::test_y still running after 900 s" in text
     assert "--- thread MainThread ---" in text
     assert "* the-hung-one" in text and "in waits_forever" in text and "await event.wait()" in text
+    # A CI log is read from its tail: the test's own task, then the main thread, then the headline come last.
+    assert "pending asyncio tasks of the loop in thread MainThread" in text
+    assert text.index("--- thread watchdog-test ---") < text.index("* the-hung-one")
+    assert text.index("* the-hung-one") < text.index("--- thread MainThread ---")
+    assert text.rstrip().endswith("tests/x.py::test_y still running after 900 s (end of dump) ===")
 
 
 HANGS_THROUGH_THE_INTERRUPT = """

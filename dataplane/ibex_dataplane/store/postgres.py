@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 from uuid import UUID
 
 import asyncpg
@@ -69,19 +70,37 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await register_vector(conn)
 
 
+COMMAND_TIMEOUT = 30.0
+"""Seconds one statement may run on a pooled connection."""
+ACQUIRE_TIMEOUT = COMMAND_TIMEOUT
+"""Seconds a caller that names no timeout may wait for a free connection: no wait for the pool is unbounded, so a
+pool drained by connections that never come back (a bug) fails its callers with a timeout instead of hanging them."""
+
+
+class BoundedPool(asyncpg.Pool):  # type: ignore[misc]
+    """An asyncpg pool whose :meth:`acquire` without a timeout waits at most :data:`ACQUIRE_TIMEOUT` seconds."""
+
+    def acquire(self, *, timeout: float | None = None) -> Any:
+        return super().acquire(timeout=ACQUIRE_TIMEOUT if timeout is None else timeout)
+
+
 async def create_pool(
     dsn: str, *, min_size: int = 2, max_size: int = 10, application_name: str = "ibex", timeout: float = 10.0
 ) -> asyncpg.Pool:
     """Open a pool; raises StoreUnavailable when Postgres cannot be reached."""
     with postgres_errors():
-        pool: asyncpg.Pool = await asyncpg.create_pool(
+        pool: asyncpg.Pool = await BoundedPool(
             dsn,
             min_size=min_size,
             max_size=max_size,
+            max_queries=50000,  # asyncpg.create_pool's defaults for what Pool itself requires
+            max_inactive_connection_lifetime=300.0,
+            loop=None,
             init=_init_connection,
             connection_class=_TenantConnection,
+            record_class=asyncpg.Record,
             timeout=timeout,
-            command_timeout=30,
+            command_timeout=COMMAND_TIMEOUT,
             server_settings={"application_name": application_name},
         )
     return pool
