@@ -9,7 +9,6 @@ The stage listens on localhost only and trusts nothing but a valid internal prin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 from collections.abc import AsyncIterator
@@ -168,8 +167,9 @@ def create_memory_app(
             yield
         finally:
             backfill.cancel()
-            with contextlib.suppress(BaseException):
-                await backfill
+            await asyncio.wait({backfill})  # whatever it raised; a cancellation of this cleanup still propagates
+            if not backfill.cancelled():
+                backfill.exception()  # retrieved (the backfill logs its own failures)
             await capture.stop()
             await outbox.stop()
             await background.drain()

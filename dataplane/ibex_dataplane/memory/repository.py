@@ -168,7 +168,8 @@ UPDATE memories m SET retrieval_count = m.retrieval_count + 1, last_retrieved_at
 #   $1 org  $2 agent  $3 instant (NULL: now)  $4 query text  $5 text candidates  $6 min confidence (NULL: none)
 #   $7 labels  $8 rows read per query term  $9 memories of the agent for idf (current: counted by the caller;
 #   history: the cap of the function's own count)
-# Two variants each, so the current one names `status = 'active'` literally: the partial HNSW index only serves
+# The statements built here serve reads of a past instant; reads of now run the same statements from the *_as
+# functions of migration 0039, which name `status = 'active'` literally: the partial HNSW index only serves
 # queries whose predicate implies its own, and a parameterized status would hide that from a generic plan.
 def _filters(statuses: str, confidence: str, labels: str) -> str:
     return f"""
@@ -222,25 +223,20 @@ def _text_sql(statuses: str, function: str) -> str:
 # (measured: 0.18 ms per hit, 15 ms for 80 hits) to the primary key.
 
 
-_VECTOR_CURRENT = _vector_sql("= 'active'")
 _VECTOR_HISTORY = _vector_sql("IN ('active', 'superseded')")
-_TEXT_CURRENT = _text_sql("= 'active'", "ibex_memory_text_bm25_given_n($2, $4, $6::real, $7::text[], $5, $8, $9)")
 # The text leg's N (migration 0038): the agent's active memories, counted up to a cap ($3), at most once a minute.
 _POPULATION = """
 SELECT count(*) FROM (
     SELECT 1 FROM memories m WHERE m.org_id = $1 AND m.agent_id = $2 AND m.status = 'active' LIMIT $3
 ) a
 """
-# Sparse leg (migration 0025): sum(q_w * d_w) over the query's SPLADE tokens, current reads only (superseded rows
-# keep no postings).  $1 org  $2 agent  $3 instant (NULL: now; unused)  $4 tokens  $5 weights  $6 candidates
-#   $7 min confidence  $8 labels  $9 postings read per token
-_SPARSE_CURRENT = f"""
-    WITH fts AS MATERIALIZED (
-        SELECT t.id, NULL::float8 AS similarity, t.score AS text_score, t.terms AS text_terms
-          FROM ibex_memory_sparse_postings($2, $4::integer[], $5::real[], $7::real, $8::text[], $6, $9) t
-    )
-    {_hydrated("fts", _filters("= 'active'", "$7", "$8"))}
-"""
+# Current reads (migration 0039): each leg is one statement calling its *_as function, which sets the tenant scope
+# and the planner settings of _ann_settings itself, then runs the statements above for now (the sparse leg: the
+# postings function of migration 0025, hydrated likewise) and returns their rows: one round trip instead of BEGIN +
+# scope, settings, statement, COMMIT. Reads of a past instant keep the explicit transaction.
+_VECTOR_AS = "SELECT * FROM ibex_memory_search_vector_as($1, $2, $3, $4, $5, $6, $7, $8)"
+_TEXT_AS = "SELECT * FROM ibex_memory_search_text_as($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+_SPARSE_AS = "SELECT * FROM ibex_memory_search_sparse_as($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 _SPARSE_PENDING = "SELECT id, org_id, agent_id FROM ibex_memory_sparse_pending($1)"
 _SPARSE_CONTENT = """
 SELECT m.id, m.content FROM memories m
@@ -316,6 +312,11 @@ class MemoryRepository:
         with postgres_errors():
             async with self._db.tenant(tenant.org_id, tenant.agent_id, readonly=readonly) as conn:
                 yield conn
+
+    async def _call_as(self, tenant: Tenant, sql: str, *args: object) -> list[asyncpg.Record]:
+        """One statement calling a ``*_as`` function of the tenant (one round trip; connection errors become 503s)."""
+        with postgres_errors():
+            return await self._db.call_as_rows(tenant.org_id, tenant.agent_id, sql, *args)
 
     # -- write path ----------------------------------------------------------------------------------------------
 
@@ -454,15 +455,23 @@ class MemoryRepository:
     ) -> list[SearchRow]:
         """The vector leg: the ``candidates`` nearest readable memories at or above ``min_similarity``.
 
-        ``vector`` is awaited inside the open transaction: the connection, the tenant scope and the planner
-        settings are ready while the query is still being embedded, and only the statement waits for it.
+        A read of now is one round trip once ``vector`` is there (the *_as function sets the tenant scope and the
+        planner settings). A read of a past instant awaits ``vector`` inside its open transaction, so the
+        connection, the scope and the settings are ready while the query is still being embedded.
         """
+        if at is None:
+            query_vector = await vector
+            rows = await self._call_as(
+                tenant, _VECTOR_AS, self._ef_search, query_vector, candidates, min_similarity, min_confidence,
+                list(labels),
+            )  # fmt: skip
+            return [_search_row(r) for r in rows]
         async with self.transaction(tenant, readonly=True) as conn:
             await self._ann_settings(conn)
             query_vector = await vector
             rows = await conn.fetch(
-                _VECTOR_CURRENT if at is None else _VECTOR_HISTORY, tenant.org_id, tenant.agent_id, at,
-                query_vector, candidates, min_similarity, min_confidence, list(labels),
+                _VECTOR_HISTORY, tenant.org_id, tenant.agent_id, at, query_vector, candidates, min_similarity,
+                min_confidence, list(labels),
             )  # fmt: skip
         return [_search_row(r) for r in rows]
 
@@ -481,20 +490,23 @@ class MemoryRepository:
         """The text leg: the ``candidates`` best BM25 matches; ``term_rows`` and ``population`` bound its statistics.
 
         A current read takes the agent's memory count (idf's N, at most ``population``) from the population cache,
-        counting it in this transaction when the cache has none.
+        counting it first when the cache has none, then is one round trip.
         """
+        if at is None:
+            n = self._populations.get(tenant.org_id, tenant.agent_id)
+            if n is None:
+                async with self.transaction(tenant, readonly=True) as conn:
+                    n = int(await conn.fetchval(_POPULATION, tenant.org_id, tenant.agent_id, population))
+                self._populations.put(tenant.org_id, tenant.agent_id, n)
+            rows = await self._call_as(
+                tenant, _TEXT_AS, self._ef_search, text, candidates, min_confidence, list(labels), term_rows, n
+            )
+            return [_search_row(r) for r in rows]
         async with self.transaction(tenant, readonly=True) as conn:
             await self._ann_settings(conn)
-            n = population
-            if at is None:
-                cached = self._populations.get(tenant.org_id, tenant.agent_id)
-                if cached is None:
-                    cached = int(await conn.fetchval(_POPULATION, tenant.org_id, tenant.agent_id, population))
-                    self._populations.put(tenant.org_id, tenant.agent_id, cached)
-                n = cached
             rows = await conn.fetch(
-                _TEXT_CURRENT if at is None else _TEXT_HISTORY, tenant.org_id, tenant.agent_id, at, text, candidates,
-                min_confidence, list(labels), term_rows, n,
+                _TEXT_HISTORY, tenant.org_id, tenant.agent_id, at, text, candidates, min_confidence, list(labels),
+                term_rows, population,
             )  # fmt: skip
         return [_search_row(r) for r in rows]
 
@@ -510,15 +522,13 @@ class MemoryRepository:
     ) -> list[SearchRow]:
         """The sparse leg: the ``candidates`` best SPLADE matches of the current memories (``sparse_score`` set).
 
-        Like the vector leg, the transaction opens while the query is being encoded and only the statement waits.
+        One round trip once ``vector`` (the query's SPLADE weights) is there.
         """
-        async with self.transaction(tenant, readonly=True) as conn:
-            await self._ann_settings(conn)
-            query = await vector
-            rows = await conn.fetch(
-                _SPARSE_CURRENT, tenant.org_id, tenant.agent_id, None, query.tokens.tolist(),
-                query.weights.tolist(), candidates, min_confidence, list(labels), term_rows,
-            )  # fmt: skip
+        query = await vector
+        rows = await self._call_as(
+            tenant, _SPARSE_AS, self._ef_search, query.tokens.tolist(), query.weights.tolist(), candidates,
+            min_confidence, list(labels), term_rows,
+        )  # fmt: skip
         return [
             SearchRow(memory_of(r), None, None, 0, None if r["text_score"] is None else float(r["text_score"]))
             for r in rows

@@ -181,10 +181,10 @@ class MemorySearch:
     async def candidates(self, tenant: Tenant, query: SearchQuery) -> tuple[str, list[SearchRow]]:
         """The masked query and every hit of either leg (unranked).
 
-        The text leg needs only the masked query, so it runs while the query is embedded; the vector leg opens its
-        transaction meanwhile and runs its statement once the embedding is there; the sparse leg likewise waits for
-        the SPLADE weights. A query this organization searched recently takes both encodings from the query cache
-        instead. Nothing but the masked text reaches either model or any statement.
+        The text leg needs only the masked query, so it runs while the query is embedded; the vector leg runs its
+        statement once the embedding is there; the sparse leg likewise waits for the SPLADE weights. A query this
+        organization searched recently takes both encodings from the query cache instead. Nothing but the masked
+        text reaches either model or any statement.
         """
         started = time.perf_counter()
         try:
