@@ -314,9 +314,9 @@ class MemoryRepository:
                 yield conn
 
     async def _call_as(self, tenant: Tenant, sql: str, *args: object) -> list[asyncpg.Record]:
-        """One statement calling a ``*_as`` function of the tenant (one round trip; connection errors become 503s)."""
-        with postgres_errors():
-            return await self._db.call_as_rows(tenant.org_id, tenant.agent_id, sql, *args)
+        """One statement calling a ``*_as`` function of the tenant (one round trip; connection errors become 503s
+        in :meth:`Database.call_as_rows`)."""
+        return await self._db.call_as_rows(tenant.org_id, tenant.agent_id, sql, *args)
 
     # -- write path ----------------------------------------------------------------------------------------------
 
