@@ -9,7 +9,7 @@ from uuid import UUID
 
 import numpy as np
 import pytest
-from aiohttp import ClientSession
+from aiohttp import ClientSession, web
 
 from ibex_dataplane.embedding import EmbeddingError, Embeddings
 from ibex_dataplane.memory.app import METRICS, OUTBOX, SERVICE
@@ -261,3 +261,47 @@ async def test_vectors_are_stored_for_every_created_memory(
         vector = np.asarray(raw.to_numpy() if hasattr(raw, "to_numpy") else raw)
         assert vector.shape == (384,)
         assert abs(float(np.linalg.norm(vector)) - 1.0) < 1e-3
+
+
+async def test_a_batch_larger_than_a_slice_relates_items_across_slices(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    """The memory stage commits a ``:batch`` slice by slice (25 items); later slices see the earlier ones as stored
+    memories, so relationships, supersession and exact duplicates across slices come out as within one slice."""
+    t = await tenants.create()
+    topics = ["invoices", "the garden", "the car", "holidays", "a printer", "the dentist", "a bicycle", "the piano"]
+    items: list[dict[str, object]] = [
+        {"content": f"Note {i}: the user wrote down item {i} about {topics[i % len(topics)]}."} for i in range(60)
+    ]
+    items[0] = {"content": "The user's office is on floor 3."}
+    items[5] = {"content": "The user lives in Paris.", "valid_from": "2020-01-01T00:00:00Z"}
+    items[30] = {"content": "The user's office is on floor 5."}  # second slice
+    items[52] = {"content": "The user lives in Berlin.", "valid_from": "2023-06-01T00:00:00Z"}  # third slice
+    items[55] = {"content": "the user's office is on FLOOR 3."}  # exact duplicate of the first item
+    assert proxy.memory is not None
+    persists = persist_calls(proxy.memory.app)
+    async with memory_client(proxy, t) as client:
+        reply = await client.batch(items)
+        # 59 items left after exact dedup (which sees the whole batch): slices of 25, 25 and 9, one commit each.
+        assert persist_calls(proxy.memory.app) - persists == 3
+        assert reply.status == 200
+        results = reply.body["results"]
+        assert [r["status"] for r in results] == [200 if i == 55 else 201 for i in range(60)], results
+        first = results[0]["memory"]["id"]
+        assert results[55]["memory"]["id"] == first
+        floor5 = {(r["kind"], r["target_id"]) for r in results[30]["relationships"]}
+        assert {("near_duplicate_of", first), ("contradicts", first)} <= floor5
+        paris = results[5]["memory"]["id"]
+        assert ("supersedes", paris) in {(r["kind"], r["target_id"]) for r in results[52]["relationships"]}
+        assert (await client.get(paris)).body["memory"]["status"] == "superseded"
+    stored = await rows(stores, t.org_id, t.agents["alpha"], "SELECT count(*) AS n FROM memories")
+    assert stored == [{"n": 59}]
+
+
+def persist_calls(app: web.Application) -> float:
+    """How many times the memory stage's persist stage ran (its duration histogram's count)."""
+    for metric in app[METRICS].stage_seconds.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count") and sample.labels.get("stage") == "persist":
+                return sample.value
+    return 0.0

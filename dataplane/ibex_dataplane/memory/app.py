@@ -116,6 +116,7 @@ def create_memory_app(
             AfterCommit(outbox),
         ],
         metrics,
+        slice_at=Embed.name,
     )
     tuning = SearchTuning(
         min_similarity=settings.memory_min_similarity,

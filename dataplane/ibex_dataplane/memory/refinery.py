@@ -7,7 +7,8 @@ single and the bulk path are the same code and embeddings are always batched). E
 candidates still in flight, settles the ones it decides (rejected, duplicate, quarantined, failed), and reports a
 count per outcome; the refinery times each stage, feeds the Prometheus metrics and logs one line per call with ids,
 outcomes and timings, never content. The caller's deadline is checked between stages up to persist; from persist on
-nothing is interrupted, so a deadline can never leave half a write behind.
+nothing is interrupted, so a deadline can never leave half a write behind. From ``embed`` on the memory stage
+runs a batch in slices, the next slice's embedding overlapping this slice's store work (:class:`Refinery`).
 
 Called by :class:`ibex_dataplane.memory.service.MemoryService`. Each stage is its own class so it can be tested
 alone; the pure helpers (:func:`normalize`, :func:`content_hash`) are the dedup contract.
@@ -475,7 +476,8 @@ class DetectConflicts:
 
 
 class Persist:
-    """Rows, labels, relationships, supersessions and the outbox event: one transaction for the whole batch."""
+    """Rows, labels, relationships, supersessions and the outbox event: one transaction for the batch it is given
+    (with a sliced refinery, one slice of the request)."""
 
     name = "persist"
     interruptible = False
@@ -592,10 +594,34 @@ class AfterCommit:
 
 
 class Refinery:
-    def __init__(self, stages: Sequence[Stage], metrics: MemoryMetrics, *, clock: Callable[[], float] = time.time):
+    """Runs the stages over a batch. With ``slice_at`` (a stage's name), the stages from that one on run per slice
+    of ``slice_size`` items, and that stage of the next slice runs ahead while the later stages of this slice run.
+
+    The write path's models (embed) and its store work (near dedup, persist) then overlap on different cores
+    instead of taking turns: one ``:batch`` request alone keeps both busy. The stage at ``slice_at`` must not touch
+    the store; the later ones see the slices before theirs committed, exactly as they would see an earlier request.
+    Every item still gets one result, and each committed slice is one transaction.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        metrics: MemoryMetrics,
+        *,
+        clock: Callable[[], float] = time.time,
+        slice_at: str | None = None,
+        slice_size: int = 25,
+    ):
         self.stages = list(stages)
         self._metrics = metrics
         self._clock = clock
+        names = self.names
+        if slice_at is not None and slice_at not in names:
+            raise ValueError(f"no stage named {slice_at!r} to slice at")
+        if slice_size < 1:
+            raise ValueError("slice_size must be at least 1")
+        self._split = len(self.stages) if slice_at is None else names.index(slice_at)
+        self._slice_size = slice_size
 
     @property
     def names(self) -> list[str]:
@@ -605,22 +631,10 @@ class Refinery:
         self, tenant: Tenant, items: Sequence[Any], *, request_id: str, deadline: float
     ) -> tuple[list[WriteResult], list[StageReport]]:
         batch = WriteBatch(tenant, request_id, deadline, [Candidate(i, raw) for i, raw in enumerate(items)])
-        reports: list[StageReport] = []
-        for stage in self.stages:
-            if stage.interruptible and self._clock() >= deadline:
-                late = batch.in_flight()
-                for c in late:
-                    c.fail(DeadlineExceeded("the request deadline passed before the memory was stored"))
-                reports.append(StageReport(stage.name, {"deadline": len(late)}, 0.0))
-                self._metrics.stage_outcomes.labels(stage.name, "deadline").inc(len(late))
-                break
-            started = time.perf_counter()
-            outcomes = await stage(batch)
-            seconds = time.perf_counter() - started
-            self._metrics.stage_seconds.labels(stage.name).observe(seconds)
-            for outcome, count in outcomes.items():
-                self._metrics.stage_outcomes.labels(stage.name, outcome).inc(count)
-            reports.append(StageReport(stage.name, dict(outcomes), seconds))
+        tally = _Tally()
+        if await self._stages(self.stages[: self._split], batch, tally):
+            await self._sliced(batch, tally)
+        reports = tally.reports(self.names)
         results = [_result_of(c) for c in batch.candidates]
         log.info(
             "refinery request_id=%s items=%d %s -> %s",
@@ -630,6 +644,64 @@ class Refinery:
             _fmt(Counter(r.outcome.value if r.error is None else f"error_{r.status}" for r in results)),
         )
         return results, reports
+
+    async def _sliced(self, batch: WriteBatch, tally: _Tally) -> None:
+        """The stages from ``slice_at`` on, slice after slice, the first of them one slice ahead."""
+        head, tail = self.stages[self._split : self._split + 1], self.stages[self._split + 1 :]
+        if not head:
+            return
+        todo = batch.in_flight()
+        size = self._slice_size
+        slices = [
+            WriteBatch(batch.tenant, batch.request_id, batch.deadline, todo[i : i + size])
+            for i in range(0, len(todo), size)
+        ] or [WriteBatch(batch.tenant, batch.request_id, batch.deadline, [])]
+        ahead = asyncio.ensure_future(self._stages(head, slices[0], tally))
+        try:
+            for k, piece in enumerate(slices):
+                going = await ahead
+                if k + 1 < len(slices):
+                    ahead = asyncio.ensure_future(self._stages(head, slices[k + 1], tally))
+                if going:
+                    await self._stages(tail, piece, tally)
+        finally:
+            if not ahead.done():  # nothing keeps running behind a failed or cancelled write
+                ahead.cancel()
+                await asyncio.wait({ahead})
+
+    async def _stages(self, stages: Sequence[Stage], batch: WriteBatch, tally: _Tally) -> bool:
+        """Run ``stages`` over ``batch`` in order; False when the deadline stopped it."""
+        for stage in stages:
+            if stage.interruptible and self._clock() >= batch.deadline:
+                late = batch.in_flight()
+                for c in late:
+                    c.fail(DeadlineExceeded("the request deadline passed before the memory was stored"))
+                tally.add(stage.name, Counter(deadline=len(late)), 0.0)
+                self._metrics.stage_outcomes.labels(stage.name, "deadline").inc(len(late))
+                return False
+            started = time.perf_counter()
+            outcomes = await stage(batch)
+            seconds = time.perf_counter() - started
+            self._metrics.stage_seconds.labels(stage.name).observe(seconds)
+            for outcome, count in outcomes.items():
+                self._metrics.stage_outcomes.labels(stage.name, outcome).inc(count)
+            tally.add(stage.name, outcomes, seconds)
+        return True
+
+
+class _Tally:
+    """Outcomes and seconds per stage, summed over the slices that ran it."""
+
+    def __init__(self) -> None:
+        self._outcomes: dict[str, Counter[str]] = {}
+        self._seconds: dict[str, float] = {}
+
+    def add(self, stage: str, outcomes: Counter[str], seconds: float) -> None:
+        self._outcomes.setdefault(stage, Counter()).update(outcomes)
+        self._seconds[stage] = self._seconds.get(stage, 0.0) + seconds
+
+    def reports(self, order: Sequence[str]) -> list[StageReport]:
+        return [StageReport(s, dict(self._outcomes[s]), self._seconds[s]) for s in order if s in self._outcomes]
 
 
 def _result_of(c: Candidate) -> WriteResult:
