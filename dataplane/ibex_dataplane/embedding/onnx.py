@@ -38,6 +38,7 @@ from tokenizers import Encoding, Tokenizer
 from ibex_dataplane.embedding.base import Embeddings
 from ibex_dataplane.embedding.errors import EmbeddingError
 from ibex_dataplane.embedding.onnx_graph import Precision, encoder_model, read_safetensors
+from ibex_dataplane.embedding.runs import padded_runs
 
 # onnxruntime writes a device id and an event database under ~/.cache when it is imported unless this is
 # set first; a data plane must not leave files behind or phone home. An operator's explicit value wins.
@@ -291,11 +292,9 @@ class OnnxMiniLMEmbedder:
     def _embed_on_worker(self, texts: list[str]) -> Embeddings:
         try:
             encodings = self._tokenizer.encode_batch_fast(texts)
-            # Shortest first so each batch pads to similar lengths; rows go back to input order below.
-            order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
+            # Runs of similar lengths, so little padding; rows go back to input order below.
             vectors = np.empty((len(texts), MINILM_DIMENSIONS), dtype=np.float32)
-            for first in range(0, len(order), self._batch_size):
-                rows = order[first : first + self._batch_size]
+            for rows in padded_runs([len(e.ids) for e in encodings], max_size=self._batch_size):
                 vectors[rows] = self._run_batch([encodings[i] for i in rows])
             return vectors
         except EmbeddingError:

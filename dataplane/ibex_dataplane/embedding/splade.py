@@ -34,6 +34,7 @@ from tokenizers import Tokenizer
 from ibex_dataplane.embedding.base import SparseVector
 from ibex_dataplane.embedding.errors import EmbeddingError
 from ibex_dataplane.embedding.onnx_graph import read_safetensors, splade_model
+from ibex_dataplane.embedding.runs import padded_runs
 
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 import onnxruntime as ort
@@ -170,10 +171,8 @@ class OnnxSpladeEncoder:
     def _encode(self, texts: list[str]) -> list[SparseVector]:
         try:
             encodings = self._tokenizer.encode_batch_fast(texts)
-            order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
             out: list[SparseVector | None] = [None] * len(texts)
-            for first in range(0, len(order), self._batch_size):
-                rows = order[first : first + self._batch_size]
+            for rows in padded_runs([len(e.ids) for e in encodings], max_size=self._batch_size):
                 activation = self._run([encodings[i].ids for i in rows])
                 for row, i in enumerate(rows):
                     out[i] = sparse_of(activation[row], min_weight=self._min_weight, max_terms=self._max_terms)
