@@ -5,8 +5,9 @@ Run from the repository root: ``python bench/embedding_runs_bench.py [--rounds 3
 Two corpora: LoCoMo turns of one development conversation (lengths vary widely: a few words to a paragraph) and
 the memory benchmark's generated sentences (alike in length). Each is encoded in calls of 100 texts (a full
 ``:batch``) and of 25 (one slice of the write path), with the run cutting of ``ibex_dataplane.embedding.runs``
-at several per-run overheads; ``fixed`` is the old rule (length-sorted runs of the encoder's maximum size,
-32 dense, 16 sparse). The figure is the process CPU time (the encoders' intra-op threads included) per text,
+at several per-run overheads; ``fixed`` stands for the old rule (length-sorted runs of the encoder's maximum
+size, 32 dense, 16 sparse): as few runs as that size allows, cut where they pad least, so if anything kinder
+than the old fixed chunks. The figure is the process CPU time (the encoders' intra-op threads included) per text,
 the median over ``--rounds`` interleaved rounds with the spread; it asserts nothing.
 """
 
