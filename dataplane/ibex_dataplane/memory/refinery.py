@@ -668,6 +668,8 @@ class Refinery:
             if not ahead.done():  # nothing keeps running behind a failed or cancelled write
                 ahead.cancel()
                 await asyncio.wait({ahead})
+            if not ahead.cancelled():
+                ahead.exception()  # seen: a later stage's failure is the one that propagates
 
     async def _stages(self, stages: Sequence[Stage], batch: WriteBatch, tally: _Tally) -> bool:
         """Run ``stages`` over ``batch`` in order; False when the deadline stopped it."""
