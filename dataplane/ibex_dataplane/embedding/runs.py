@@ -3,8 +3,9 @@
 A run costs about (texts x longest text's tokens) of model work plus a fixed overhead per run (launching the
 graph, the intra-op threads' hand-offs). With texts sorted by length, :func:`padded_runs` picks the contiguous runs
 that minimise that cost, a few texts at a time where lengths vary widely and up to ``max_size`` where they are
-alike. Fixed-size runs pad the short texts of a mixed request up to its long ones: on LoCoMo turns, runs of 32
-cost the dense model about 40% more CPU per text, and requests of 25 texts (the write path's slices) 60% more.
+alike. Fixed-size runs pad the short texts of a mixed request up to its long ones: on LoCoMo turns, fixed runs of
+32 cost the dense model 1.5 times the CPU per text of this cut in requests of 100 texts, and 2.4 times in requests
+of 25 (the write path's slices).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 #: The fixed cost of one model run, in padded token slots. Measured on 2 cores, CPU per text of both models over
-#: LoCoMo turns and over the memory benchmark's sentences, in requests of 100 and of 25: 4 to 8 were best on both
-#: (within each other's spread), 0 and 16 and more cost 10-40% more (bench/results/ingest.md).
+#: LoCoMo turns and over the memory benchmark's sentences, in requests of 100 and of 25: overheads from 0 to 64
+#: were within each other's spread, all far below fixed-size runs on LoCoMo; 8 was kept (bench/results/ingest.md).
 RUN_OVERHEAD_TOKENS = 8
 
 
