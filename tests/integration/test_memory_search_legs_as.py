@@ -139,7 +139,7 @@ async def _all_legs(repo: MemoryRepository, tenant: Tenant) -> list[uuid.UUID]:
     )
     sparse_query = SparseVector(np.array([3000], dtype=np.int32), np.array([1.0], dtype=np.float32))
     sparse = await repo.search_sparse(tenant, vector=ready(sparse_query), candidates=60, min_confidence=None, labels=[])
-    return [r.memory.id for r in (*vector, *text, *sparse)]
+    return [r["id"] for r in (*vector, *text, *sparse)]
 
 
 async def test_nothing_a_leg_sets_outlives_its_statement(

@@ -64,7 +64,7 @@ async def test_the_repository_counts_an_agent_once_per_ttl(tenants: TenantFactor
         rows = await repo.search_text(
             scope, text="who paints seashells", at=None, candidates=10, min_confidence=None, labels=[]
         )
-        return sorted(round(r.text_score or 0.0, 4) for r in rows)
+        return sorted(round(r["text_score"] or 0.0, 4) for r in rows)
 
     async def scored_with(n: int) -> list[float]:
         async with stores.db.tenant(t.org_id, agent, readonly=True) as conn:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
+from typing import Any
+
+import orjson
 
 from ibex_dataplane.memory.models import Memory, MemorySource, MemoryStatus
 
@@ -20,3 +23,15 @@ def stored_memory(content: str = "c", at: datetime = WRITTEN, **overrides: objec
     )  # fmt: skip
     fields.update(overrides)
     return Memory(**fields)  # type: ignore[arg-type]
+
+
+def leg_row(memory: Memory, **scores: Any) -> dict[str, Any]:
+    """``memory`` as a search leg's row: its columns as Postgres returns them (enums as text, metadata as JSON
+    text, labels as a list), plus the leg's ``scores`` (``similarity``, ``text_score``, ``text_terms``)."""
+    row: dict[str, Any] = {name: getattr(memory, name) for name in Memory.__dataclass_fields__}
+    row.update(
+        status=memory.status.value, source=memory.source.value, labels=list(memory.labels),
+        metadata=orjson.dumps(memory.metadata).decode(), similarity=None, text_score=None, text_terms=0,
+    )  # fmt: skip
+    row.update(scores)
+    return row

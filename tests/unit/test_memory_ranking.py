@@ -18,7 +18,7 @@ from ibex_dataplane.memory.models import Memory
 from ibex_dataplane.memory.repository import SearchRow, merge_legs
 from ibex_dataplane.memory.search import matched_by, rank
 from ibex_dataplane.memory.tuning import SearchTuning
-from tests.support.records import stored_memory
+from tests.support.records import leg_row, stored_memory
 
 T0 = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -105,11 +105,12 @@ def test_an_old_answer_is_not_pushed_out_by_recent_unrelated_memories() -> None:
 def test_a_memory_both_legs_found_is_merged_into_one_row_with_both_scores() -> None:
     both, vector_only, text_only = memory("both"), memory("vector"), memory("text")
     merged = merge_legs(
-        [SearchRow(both, 0.7, None, 0), SearchRow(vector_only, 0.5, None, 0)],
-        [SearchRow(both, None, 3.0, 2), SearchRow(text_only, None, 1.0, 1)],
+        [leg_row(both, similarity=0.7), leg_row(vector_only, similarity=0.5)],
+        [leg_row(both, text_score=3.0, text_terms=2), leg_row(text_only, text_score=1.0, text_terms=1)],
     )
     by_id = {r.memory.id: (r.similarity, r.text_score, r.text_terms) for r in merged}
     assert by_id == {both.id: (0.7, 3.0, 2), vector_only.id: (0.5, None, 0), text_only.id: (None, 1.0, 1)}
+    assert [r.memory for r in merged] == [both, vector_only, text_only]  # decoded as stored, first found first
     assert [matched_by(r) for r in merged if r.memory.id == both.id] == ["both"]
 
 
@@ -151,9 +152,9 @@ def test_a_memory_the_sparse_leg_also_found_outranks_an_equal_one_it_did_not() -
 def test_three_legs_merge_into_one_row_per_memory() -> None:
     a, b, c = memory("a"), memory("b"), memory("c")
     merged = merge_legs(
-        [SearchRow(a, 0.7, None, 0)],
-        [SearchRow(a, None, 3.0, 2), SearchRow(b, None, 1.0, 1)],
-        [SearchRow(a, None, None, 0, 9.0), SearchRow(c, None, None, 0, 4.0)],
+        [leg_row(a, similarity=0.7)],
+        [leg_row(a, text_score=3.0, text_terms=2), leg_row(b, text_score=1.0, text_terms=1)],
+        [leg_row(a, text_score=9.0), leg_row(c, text_score=4.0)],
     )
     by_id = {r.memory.id: (r.similarity, r.text_score, r.text_terms, r.sparse_score) for r in merged}
     assert by_id == {a.id: (0.7, 3.0, 2, 9.0), b.id: (None, 1.0, 1, None), c.id: (None, None, 0, 4.0)}

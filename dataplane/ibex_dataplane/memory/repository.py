@@ -10,7 +10,7 @@ others open their own. Every statement names the org and the agent explicitly on
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -273,28 +273,34 @@ def _decode_metadata(value: Any) -> dict[str, Any]:
     return decoded if isinstance(decoded, dict) else {}
 
 
-def memory_of(row: asyncpg.Record) -> Memory:
+_STATUSES = {status.value: status for status in MemoryStatus}
+_SOURCES = {source.value: source for source in MemorySource}
+
+
+def memory_of(row: Mapping[str, Any]) -> Memory:
+    # Postgres real, integer and bigint columns arrive as float and int; the enums by a dict lookup (a search decodes
+    # about a hundred rows, and the enum call was a tenth of each).
     return Memory(
         id=row["id"],
         agent_id=row["agent_id"],
         content=row["content"],
-        status=MemoryStatus(row["status"]),
+        status=_STATUSES[row["status"]],
         labels=tuple(row["labels"] or ()),
-        source=MemorySource(row["source"]),
-        confidence=float(row["confidence"]),
-        usefulness=float(row["usefulness"]),
+        source=_SOURCES[row["source"]],
+        confidence=row["confidence"],
+        usefulness=row["usefulness"],
         valid_from=row["valid_from"],
         valid_until=row["valid_until"],
         observed_at=row["observed_at"],
         session_id=row["session_id"],
         metadata=_decode_metadata(row["metadata"]),
-        revision=int(row["revision"]),
-        retrieval_count=int(row["retrieval_count"]),
+        revision=row["revision"],
+        retrieval_count=row["retrieval_count"],
         last_retrieved_at=row["last_retrieved_at"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
-        positive_feedback=int(row["positive_feedback"]),
-        negative_feedback=int(row["negative_feedback"]),
+        positive_feedback=row["positive_feedback"],
+        negative_feedback=row["negative_feedback"],
     )
 
 
@@ -452,8 +458,9 @@ class MemoryRepository:
         min_similarity: float,
         min_confidence: float | None,
         labels: Sequence[str],
-    ) -> list[SearchRow]:
-        """The vector leg: the ``candidates`` nearest readable memories at or above ``min_similarity``.
+    ) -> list[asyncpg.Record]:
+        """The vector leg: the ``candidates`` nearest readable memories at or above ``min_similarity``, as rows
+        (``similarity`` and the memory's columns) for :func:`merge_legs`.
 
         A read of now is one round trip once ``vector`` is there (the *_as function sets the tenant scope and the
         planner settings). A read of a past instant awaits ``vector`` inside its open transaction, so the
@@ -465,15 +472,15 @@ class MemoryRepository:
                 tenant, _VECTOR_AS, self._ef_search, query_vector, candidates, min_similarity, min_confidence,
                 list(labels),
             )  # fmt: skip
-            return [_search_row(r) for r in rows]
+            return rows
         async with self.transaction(tenant, readonly=True) as conn:
             await self._ann_settings(conn)
             query_vector = await vector
-            rows = await conn.fetch(
+            history: list[asyncpg.Record] = await conn.fetch(
                 _VECTOR_HISTORY, tenant.org_id, tenant.agent_id, at, query_vector, candidates, min_similarity,
                 min_confidence, list(labels),
             )  # fmt: skip
-        return [_search_row(r) for r in rows]
+        return history
 
     async def search_text(
         self,
@@ -486,8 +493,9 @@ class MemoryRepository:
         labels: Sequence[str],
         term_rows: int = 400,
         population: int = 20000,
-    ) -> list[SearchRow]:
-        """The text leg: the ``candidates`` best BM25 matches; ``term_rows`` and ``population`` bound its statistics.
+    ) -> list[asyncpg.Record]:
+        """The text leg: the ``candidates`` best BM25 matches (``text_score``, ``text_terms`` and the memory's
+        columns, for :func:`merge_legs`); ``term_rows`` and ``population`` bound its statistics.
 
         A current read takes the agent's memory count (idf's N, at most ``population``) from the population cache,
         counting it first when the cache has none, then is one round trip.
@@ -501,14 +509,14 @@ class MemoryRepository:
             rows = await self._call_as(
                 tenant, _TEXT_AS, self._ef_search, text, candidates, min_confidence, list(labels), term_rows, n
             )
-            return [_search_row(r) for r in rows]
+            return rows
         async with self.transaction(tenant, readonly=True) as conn:
             await self._ann_settings(conn)
-            rows = await conn.fetch(
+            history: list[asyncpg.Record] = await conn.fetch(
                 _TEXT_HISTORY, tenant.org_id, tenant.agent_id, at, text, candidates, min_confidence, list(labels),
                 term_rows, population,
             )  # fmt: skip
-        return [_search_row(r) for r in rows]
+        return history
 
     async def search_sparse(
         self,
@@ -519,8 +527,9 @@ class MemoryRepository:
         min_confidence: float | None,
         labels: Sequence[str],
         term_rows: int = 400,
-    ) -> list[SearchRow]:
-        """The sparse leg: the ``candidates`` best SPLADE matches of the current memories (``sparse_score`` set).
+    ) -> list[asyncpg.Record]:
+        """The sparse leg: the ``candidates`` best SPLADE matches of the current memories (the dot product in
+        ``text_score``, and the memory's columns, for :func:`merge_legs`).
 
         One round trip once ``vector`` (the query's SPLADE weights) is there.
         """
@@ -529,10 +538,7 @@ class MemoryRepository:
             tenant, _SPARSE_AS, self._ef_search, query.tokens.tolist(), query.weights.tolist(), candidates,
             min_confidence, list(labels), term_rows,
         )  # fmt: skip
-        return [
-            SearchRow(memory_of(r), None, None, 0, None if r["text_score"] is None else float(r["text_score"]))
-            for r in rows
-        ]
+        return rows
 
     async def sparse_pending(self, limit: int) -> list[tuple[UUID, Tenant]]:
         """Active memories of any org without sparse weights (written before migration 0025): ids and owners only."""
@@ -756,33 +762,36 @@ class MemoryRepository:
         )
 
 
-def _search_row(r: asyncpg.Record) -> SearchRow:
-    return SearchRow(
-        memory_of(r),
-        None if r["similarity"] is None else float(r["similarity"]),
-        None if r["text_score"] is None else float(r["text_score"]),
-        int(r["text_terms"]),
-    )
-
-
 def merge_legs(
-    vector: Sequence[SearchRow], text: Sequence[SearchRow], sparse: Sequence[SearchRow] = ()
+    vector: Sequence[Mapping[str, Any]], text: Sequence[Mapping[str, Any]], sparse: Sequence[Mapping[str, Any]] = ()
 ) -> list[SearchRow]:
-    """One row per memory: a memory several legs found carries its similarity, text score and sparse score."""
-    merged: dict[UUID, SearchRow] = {row.memory.id: row for row in vector}
-    for row in text:
-        seen = merged.get(row.memory.id)
-        merged[row.memory.id] = (
-            row if seen is None else SearchRow(seen.memory, seen.similarity, row.text_score, row.text_terms)
-        )
-    for row in sparse:
-        seen = merged.get(row.memory.id)
-        merged[row.memory.id] = (
-            row
-            if seen is None
-            else SearchRow(seen.memory, seen.similarity, seen.text_score, seen.text_terms, row.sparse_score)
-        )
-    return list(merged.values())
+    """One row per memory, in the order the legs first found them: a memory several legs found carries its
+    similarity (vector leg), BM25 score and query terms held (text leg) and SPLADE dot product (sparse leg).
+
+    Each memory is decoded once, however many legs returned it (the legs overlap by about a third).
+    """
+    found: dict[UUID, Mapping[str, Any]] = {}
+    similarity: dict[UUID, float] = {}
+    text_score: dict[UUID, float] = {}
+    text_terms: dict[UUID, int] = {}
+    sparse_score: dict[UUID, float] = {}
+    for r in vector:
+        found.setdefault(r["id"], r)
+        if r["similarity"] is not None:
+            similarity[r["id"]] = r["similarity"]
+    for r in text:
+        found.setdefault(r["id"], r)
+        if r["text_score"] is not None:
+            text_score[r["id"]] = r["text_score"]
+        text_terms[r["id"]] = r["text_terms"]
+    for r in sparse:
+        found.setdefault(r["id"], r)
+        if r["text_score"] is not None:
+            sparse_score[r["id"]] = r["text_score"]
+    return [
+        SearchRow(memory_of(row), similarity.get(i), text_score.get(i), text_terms.get(i, 0), sparse_score.get(i))
+        for i, row in found.items()
+    ]
 
 
 def _fields(memory: Memory) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import asyncpg
 import numpy as np
 
 from ibex_dataplane.embedding import Embedder, EmbeddingError, SparseEncoder, SparseVector
@@ -219,7 +220,7 @@ class MemorySearch:
 
         vector_task.add_done_callback(mark_embedded)
         sparse_vector: asyncio.Future[SparseVector] | None = None
-        sparse_leg: asyncio.Future[list[SearchRow]] | None = None
+        sparse_leg: asyncio.Future[list[asyncpg.Record]] | None = None
         if self._sparse is not None and query.as_of is None:  # history reads: superseded rows keep no postings
             weights = None if cached is None else cached.sparse
             encode = functools.partial(self._sparse_weights, masked)
