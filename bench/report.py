@@ -9,7 +9,9 @@ the proxy overhead (``bench/proxy_overhead.py``: 1 and 2 workers, LiteLLM side b
 its executable, a py-spy profile of the proxy's throughput phase), memory search at 10k and 100k memories
 (``bench/memory_bench.py``), context assembly at 10k memories (``bench/context_bench.py``) and the memory of each
 process (``bench/rss.py``). Each stores Postgres with the durability of production (``synchronous_commit = on``)
-and records the settings it ran with. ``--quick`` runs smaller sizes and fewer requests (a smoke run: its figures
+and records the settings it ran with; before and after each, the report times the host yardstick of
+``bench/hostspeed.py`` (fixed work on one thread), since this machine's speed moves by more than its load average
+shows. ``--quick`` runs smaller sizes and fewer requests (a smoke run: its figures
 are not the targets' sizes and the report says so). Nothing here is a test: it never fails on a missed target.
 """
 
@@ -28,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import hostspeed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,14 +94,18 @@ def run_benchmarks(args: argparse.Namespace, json_dir: Path, only: list[str], co
         if only and name not in only:
             continue
         print(f"== {name}: {' '.join(command)}", flush=True)
+        speed_before = hostspeed.measure()
         started = time.monotonic()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        seconds = round(time.monotonic() - started, 1)
+        speed_after = hostspeed.measure()
         figures_file = json_dir / f"{name}.json"
         figures = json.loads(figures_file.read_text()) if figures_file.exists() else None
         results[name] = {
             "command": " ".join(Path(c).name if c == sys.executable else c for c in command),
-            "seconds": round(time.monotonic() - started, 1),
+            "seconds": seconds,
             "exit": done.returncode,
+            "host_speed": {"before": speed_before, "after": speed_after},
             "commit": commit,
             "figures": figures,
             "output": done.stdout[-20_000:],
@@ -291,7 +299,10 @@ def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, 
         met = "n/a" if r["met"] is None else "yes" if r["met"] else "no"
         measured = "-" if r["measured"] is None else f"{r['measured']:g} {r['unit']}"
         out.append(f"| {r['target']} | {r['goal']:g} {r['unit']} | {measured} | {met} | {r['note']} |")
-    out += ["", "## Runs", ""]
+    out += ["", "## Runs", "",
+            "The host yardstick (`bench/hostspeed.py`) times the same fixed work on one thread before and after each "
+            "benchmark, lower is faster: figures of two runs compare only when their yardsticks agree, since this "
+            "machine's speed moves by more than the load average shows.", ""]  # fmt: skip
     for name, res in results.items():
         if res.get("earlier"):
             out.append(f"- **{name}**: kept from an earlier run of this report ({res['earlier']}, commit "
@@ -299,8 +310,11 @@ def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, 
         figures = res.get("figures") or {}
         load = figures.get("load_before"), figures.get("load_after")
         durability = figures.get("durability", {})
+        speed = res.get("host_speed") or {}
+        yardstick = f"before {hostspeed.describe(speed.get('before'))}, after {hostspeed.describe(speed.get('after'))}"
         out.append(f"- **{name}**: `{res['command']}`, {res['seconds']} s, exit {res['exit']}; load average before "
-                   f"{_load(load[0])}, after {_load(load[1])}; Postgres {_durability(durability)}")  # fmt: skip
+                   f"{_load(load[0])}, after {_load(load[1])}; host yardstick {yardstick}; "
+                   f"Postgres {_durability(durability)}")  # fmt: skip
     proxy = results.get("proxy", {})
     if proxy.get("profile_top"):
         out += ["", "## What dominates the proxy's cost", "",

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.figures import latency
 from bench.report import markdown, plots, profile_top, target_rows
 
@@ -44,7 +46,9 @@ def results() -> dict[str, Any]:
     return {
         "proxy": {"command": "python -m bench.proxy_overhead", "seconds": 1, "exit": 0, "figures": proxy,
                   "profile_top": [("gate (proxy/generation.py)", 12.5)]},
-        "memory": {"command": "python bench/memory_bench.py", "seconds": 1, "exit": 0, "figures": memory},
+        "memory": {"command": "python bench/memory_bench.py", "seconds": 1, "exit": 0, "figures": memory,
+                   "host_speed": {"before": {"python_ms": 33.0, "numpy_ms": 6.25},
+                                  "after": {"python_ms": 58.5, "numpy_ms": 8.0}}},
         "context": {"command": "python bench/context_bench.py", "seconds": 1, "exit": 0, "figures": context},
     }  # fmt: skip
 
@@ -109,6 +113,8 @@ def test_plots_and_markdown_are_written(tmp_path: Path) -> None:
     assert "- 12.5 % gate (proxy/generation.py)" in text
     assert "- workers=1: proxy 400, postgres 150" in text
     assert "![Throughput vs workers](2026-12-02-proxy-workers.png)" in text
+    assert "host yardstick before python 33.0 / numpy 6.2 ms, after python 58.5 / numpy 8.0 ms" in text
+    assert "host yardstick before not taken, after not taken" in text  # the runs that did not record it
 
 
 def test_the_machine_s_paths_do_not_reach_the_committed_report() -> None:
@@ -121,3 +127,14 @@ def test_the_machine_s_paths_do_not_reach_the_committed_report() -> None:
     assert machine_paths_hidden("--litellm /opt/x/bin/litellm", "/tmp/now", "/opt/x/bin/litellm") == (
         "--litellm PATH/TO/litellm"
     )
+
+
+def test_the_host_yardstick_times_fixed_work() -> None:
+    from bench import hostspeed
+
+    assert hostspeed.python_work() == hostspeed.python_work()  # the same work every time, not a timing
+    assert hostspeed.numpy_work() == hostspeed.numpy_work()
+    speed = hostspeed.measure(repeats=1)
+    assert set(speed) == {"python_ms", "numpy_ms"} and all(v > 0 for v in speed.values())
+    with pytest.raises(ValueError, match="at least 1"):
+        hostspeed.measure(repeats=0)
