@@ -11,8 +11,8 @@ its executable, a py-spy profile of the proxy's throughput phase), memory search
 process (``bench/rss.py``). Each stores Postgres with the durability of production (``synchronous_commit = on``)
 and records the settings it ran with; before and after each, the report times the host yardstick of
 ``bench/hostspeed.py`` (fixed work on one thread), since this machine's speed moves by more than its load average
-shows. ``--quick`` runs smaller sizes and fewer requests (a smoke run: its figures
-are not the targets' sizes and the report says so). Nothing here is a test: it never fails on a missed target.
+shows. ``--quick`` runs smaller sizes and fewer requests (a smoke run: its figures are not the targets' sizes and
+the report says so). Nothing here is a test: it never fails on a missed target.
 """
 
 from __future__ import annotations
