@@ -266,7 +266,7 @@ async def test_vectors_are_stored_for_every_created_memory(
 async def test_a_batch_larger_than_a_slice_relates_items_across_slices(
     proxy: RunningProxy, tenants: TenantFactory, stores: Stores
 ) -> None:
-    """The memory stage commits a ``:batch`` slice by slice (25 items); later slices see the earlier ones as stored
+    """The memory stage commits a ``:batch`` slice by slice (10 items); later slices see the earlier ones as stored
     memories, so relationships, supersession and exact duplicates across slices come out as within one slice."""
     t = await tenants.create()
     topics = ["invoices", "the garden", "the car", "holidays", "a printer", "the dentist", "a bicycle", "the piano"]
@@ -275,15 +275,15 @@ async def test_a_batch_larger_than_a_slice_relates_items_across_slices(
     ]
     items[0] = {"content": "The user's office is on floor 3."}
     items[5] = {"content": "The user lives in Paris.", "valid_from": "2020-01-01T00:00:00Z"}
-    items[30] = {"content": "The user's office is on floor 5."}  # second slice
-    items[52] = {"content": "The user lives in Berlin.", "valid_from": "2023-06-01T00:00:00Z"}  # third slice
-    items[55] = {"content": "the user's office is on FLOOR 3."}  # exact duplicate of the first item
+    items[30] = {"content": "The user's office is on floor 5."}  # fourth slice
+    items[52] = {"content": "The user lives in Berlin.", "valid_from": "2023-06-01T00:00:00Z"}  # sixth slice
+    items[55] = {"content": "the user's office is on FLOOR 3."}  # exact duplicate of the first item, sixth slice
     assert proxy.memory is not None
     persists = persist_calls(proxy.memory.app)
     async with memory_client(proxy, t) as client:
         reply = await client.batch(items)
-        # 59 items left after exact dedup (which sees the whole batch): slices of 25, 25 and 9, one commit each.
-        assert persist_calls(proxy.memory.app) - persists == 3
+        # Six slices of 10, one commit each; the sixth commits 9 (its exact duplicate follows the first item).
+        assert persist_calls(proxy.memory.app) - persists == 6
         assert reply.status == 200
         results = reply.body["results"]
         assert [r["status"] for r in results] == [200 if i == 55 else 201 for i in range(60)], results

@@ -116,7 +116,8 @@ def create_memory_app(
             AfterCommit(outbox),
         ],
         metrics,
-        slice_at=Embed.name,
+        cut_at=(Embed.name, NearDedup.name),
+        slice_size=10,  # bench/results/ingest.md: of 5, 10, 15 and 25, the one that keeps the cores busiest
     )
     tuning = SearchTuning(
         min_similarity=settings.memory_min_similarity,

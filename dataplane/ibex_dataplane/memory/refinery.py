@@ -7,8 +7,9 @@ single and the bulk path are the same code and embeddings are always batched). E
 candidates still in flight, settles the ones it decides (rejected, duplicate, quarantined, failed), and reports a
 count per outcome; the refinery times each stage, feeds the Prometheus metrics and logs one line per call with ids,
 outcomes and timings, never content. The caller's deadline is checked between stages up to persist; from persist on
-nothing is interrupted, so a deadline can never leave half a write behind. From ``embed`` on the memory stage
-runs a batch in slices, the next slice's embedding overlapping this slice's store work (:class:`Refinery`).
+nothing is interrupted, so a deadline can never leave half a write behind. The memory stage runs a batch in slices
+through a pipeline of three steps (up to exact dedup, embed, the rest), so one slice's PII check, the next one's
+embedding and the store work of a third overlap (:class:`Refinery`).
 
 Called by :class:`ibex_dataplane.memory.service.MemoryService`. Each stage is its own class so it can be tested
 alone; the pure helpers (:func:`normalize`, :func:`content_hash`) are the dedup contract.
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import hashlib
+import itertools
 import logging
 import re
 import time
@@ -143,6 +145,7 @@ class WriteBatch:
     candidates: list[Candidate]
     committed_at: float | None = None
     outbox: list[tuple[int, list[UUID]]] = field(default_factory=list)
+    seen: dict[bytes, Candidate] = field(default_factory=dict)  # content hash -> first item: shared by the slices
 
     def in_flight(self) -> list[Candidate]:
         return [c for c in self.candidates if c.in_flight]
@@ -280,17 +283,18 @@ class ExactDedup:
 
     async def __call__(self, batch: WriteBatch) -> Counter[str]:
         outcomes: Counter[str] = Counter()
-        first: dict[bytes, Candidate] = {}
+        first: dict[bytes, Candidate] = {}  # this slice's new hashes; batch.seen also holds the earlier slices'
         for c in batch.in_flight():
             c.content_hash = content_hash(c.content)
             if c.quarantined:  # never deduplicated against, never a duplicate: kept for review as it came
                 outcomes["skipped"] += 1
                 continue
-            if c.content_hash in first:
-                c.follows = first[c.content_hash]
+            leader = batch.seen.get(c.content_hash)
+            if leader is not None:
+                c.follows = leader
                 outcomes["duplicate_in_batch"] += 1
             else:
-                first[c.content_hash] = c
+                batch.seen[c.content_hash] = first[c.content_hash] = c
         existing = await self._repo.bump_duplicates(batch.tenant, list(first))
         for digest, memory in existing.items():
             first[digest].settle(WriteResult(WriteOutcome.DEDUPLICATED, memory=memory))
@@ -594,13 +598,16 @@ class AfterCommit:
 
 
 class Refinery:
-    """Runs the stages over a batch. With ``slice_at`` (a stage's name), the stages from that one on run per slice
-    of ``slice_size`` items, and that stage of the next slice runs ahead while the later stages of this slice run.
+    """Runs the stages over a batch, as a pipeline when ``cut_at`` names stages.
 
-    The write path's models (embed) and its store work (near dedup, persist) then overlap on different cores
-    instead of taking turns: one ``:batch`` request alone keeps both busy. The stage at ``slice_at`` must not touch
-    the store; the later ones see the slices before theirs committed, exactly as they would see an earlier request.
-    Every item still gets one result, and each committed slice is one transaction.
+    The stages are cut before each stage named in ``cut_at`` into steps, the batch into slices of ``slice_size``
+    items, and each step works on a slice while the next step works on the slice before: with the memory stage's
+    cuts (embed, near_dedup), one slice is checked for PII while the one before is embedded and the one before that
+    is stored, so the models, Presidio and Postgres work on different cores at once and one ``:batch`` request alone
+    keeps them busy. Each step takes the slices in order, so a store stage sees the slices before its own
+    committed, exactly as it would see an earlier request; a stage before the store stages must not read what they
+    write (exact dedup finds an earlier slice's items through the batch's ``seen`` hashes instead). Every item
+    still gets one result, and each committed slice is one transaction.
     """
 
     def __init__(
@@ -609,18 +616,20 @@ class Refinery:
         metrics: MemoryMetrics,
         *,
         clock: Callable[[], float] = time.time,
-        slice_at: str | None = None,
+        cut_at: Sequence[str] = (),
         slice_size: int = 25,
     ):
         self.stages = list(stages)
         self._metrics = metrics
         self._clock = clock
         names = self.names
-        if slice_at is not None and slice_at not in names:
-            raise ValueError(f"no stage named {slice_at!r} to slice at")
+        for name in cut_at:
+            if name not in names:
+                raise ValueError(f"no stage named {name!r} to cut at")
         if slice_size < 1:
             raise ValueError("slice_size must be at least 1")
-        self._split = len(self.stages) if slice_at is None else names.index(slice_at)
+        bounds = sorted({0, len(names), *(names.index(name) for name in cut_at)})
+        self._steps = [self.stages[a:b] for a, b in itertools.pairwise(bounds)] or [[]]
         self._slice_size = slice_size
 
     @property
@@ -632,8 +641,10 @@ class Refinery:
     ) -> tuple[list[WriteResult], list[StageReport]]:
         batch = WriteBatch(tenant, request_id, deadline, [Candidate(i, raw) for i, raw in enumerate(items)])
         tally = _Tally()
-        if await self._stages(self.stages[: self._split], batch, tally):
-            await self._sliced(batch, tally)
+        if len(self._steps) == 1:
+            await self._stages(self.stages, batch, tally)
+        else:
+            await self._pipelined(batch, tally)
         reports = tally.reports(self.names)
         results = [_result_of(c) for c in batch.candidates]
         log.info(
@@ -645,31 +656,42 @@ class Refinery:
         )
         return results, reports
 
-    async def _sliced(self, batch: WriteBatch, tally: _Tally) -> None:
-        """The stages from ``slice_at`` on, slice after slice, the first of them one slice ahead."""
-        head, tail = self.stages[self._split : self._split + 1], self.stages[self._split + 1 :]
-        if not head:
-            return
-        todo = batch.in_flight()
-        size = self._slice_size
+    async def _pipelined(self, batch: WriteBatch, tally: _Tally) -> None:
+        """Every slice through every step; step n of slice k starts once slice k left step n-1 and slice k-1 left
+        step n. The first failure cancels everything still running and is the one that propagates."""
+        size, everyone = self._slice_size, batch.candidates
         slices = [
-            WriteBatch(batch.tenant, batch.request_id, batch.deadline, todo[i : i + size])
-            for i in range(0, len(todo), size)
-        ] or [WriteBatch(batch.tenant, batch.request_id, batch.deadline, [])]
-        ahead = asyncio.ensure_future(self._stages(head, slices[0], tally))
+            WriteBatch(batch.tenant, batch.request_id, batch.deadline, everyone[i : i + size], seen=batch.seen)
+            for i in range(0, len(everyone), size)
+        ] or [WriteBatch(batch.tenant, batch.request_id, batch.deadline, [], seen=batch.seen)]
+        loop = asyncio.get_running_loop()
+        left = [[loop.create_future() for _ in self._steps] for _ in slices]  # left[k][n]: slice k is past step n
+
+        async def through(k: int, piece: WriteBatch) -> None:
+            going = True
+            try:
+                for n, step in enumerate(self._steps):
+                    if k > 0:
+                        await left[k - 1][n]
+                    if going:  # a slice the deadline stopped has no items in flight; it only makes way
+                        going = await self._stages(step, piece, tally)
+                    left[k][n].set_result(None)
+            finally:
+                for waiter in left[k]:
+                    if not waiter.done():
+                        waiter.cancel()
+
+        runs = [asyncio.ensure_future(through(k, piece)) for k, piece in enumerate(slices)]
         try:
-            for k, piece in enumerate(slices):
-                going = await ahead
-                if k + 1 < len(slices):
-                    ahead = asyncio.ensure_future(self._stages(head, slices[k + 1], tally))
-                if going:
-                    await self._stages(tail, piece, tally)
+            await asyncio.wait(runs, return_when=asyncio.FIRST_EXCEPTION)
         finally:
-            if not ahead.done():  # nothing keeps running behind a failed or cancelled write
-                ahead.cancel()
-                await asyncio.wait({ahead})
-            if not ahead.cancelled():
-                ahead.exception()  # seen: a later stage's failure is the one that propagates
+            for run in runs:  # nothing keeps running behind a failed or cancelled write
+                if not run.done():
+                    run.cancel()
+            await asyncio.wait(runs)
+        for run in runs:
+            if not run.cancelled() and run.exception() is not None:
+                raise run.exception()  # type: ignore[misc]
 
     async def _stages(self, stages: Sequence[Stage], batch: WriteBatch, tally: _Tally) -> bool:
         """Run ``stages`` over ``batch`` in order; False when the deadline stopped it."""
