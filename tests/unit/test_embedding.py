@@ -20,7 +20,7 @@ from ibex_dataplane.embedding.onnx import (
     packaged_model_dir,
     packaged_tokenizer_path,
 )
-from ibex_dataplane.embedding.onnx_graph import encoder_model, read_safetensors
+from ibex_dataplane.embedding.onnx_graph import WEIGHT_LEVELS, _quantized, encoder_model, read_safetensors
 from tests.support import bert_reference
 
 SENTENCES = [
@@ -63,9 +63,30 @@ def test_the_int8_graph_stays_within_quantization_error_of_the_checkpoint(
 ) -> None:
     vectors = embedder.embed_sync(SENTENCES)
     cosines = [float(got @ expected) for got, expected in zip(vectors, reference, strict=True)]
-    assert min(cosines) > 0.98, cosines  # the shortest texts ("", "ok": two or three tokens) lose the most
+    # The shortest texts ("", "ok": two or three tokens) lose the most: 0.978 and 0.983 with 7-bit weights.
+    assert min(cosines) > 0.97, cosines
     assert float(np.mean(cosines)) > 0.99, cosines
     assert max(cosines) < 1 - 1e-7  # really quantized: the float32 graph matches to about 1e-7
+
+
+def _pairwise_saturated(u: np.ndarray[Any, Any], q: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``u @ q`` the way an x86 CPU without VNNI multiplies uint8 by int8: each pair of neighbouring products is
+    added in int16 and saturates there, then the pairs are summed in int32."""
+    u, q = u.astype(np.int64), q.astype(np.int64)
+    pairs = u[:, 0::2, None] * q[None, 0::2, :] + u[:, 1::2, None] * q[None, 1::2, :]
+    return np.asarray(np.clip(pairs, -32768, 32767).sum(axis=1))
+
+
+def test_the_int8_weights_give_the_same_integers_on_cpus_with_and_without_vnni() -> None:
+    weights = read_safetensors(packaged_model_dir() / "model.safetensors")
+    q, _ = _quantized(weights["encoder.layer.0.intermediate.dense.weight"].T)
+    assert int(np.abs(q).max()) == WEIGHT_LEVELS
+    rng = np.random.default_rng(7)
+    u = rng.choice(np.array([0, 1, 254, 255]), size=(16, q.shape[0]))  # the extremes a token's scale allows
+    np.testing.assert_array_equal(_pairwise_saturated(u, q), u.astype(np.int64) @ q.astype(np.int64))
+    # Full-range int8 weights would not: the same products saturate.
+    full = np.clip(q.astype(np.int64) * 2 + 1, -127, 127)
+    assert not np.array_equal(_pairwise_saturated(u, full), u.astype(np.int64) @ full)
 
 
 def test_the_int8_graph_multiplies_in_integers() -> None:

@@ -9,12 +9,12 @@ so nothing is converted at setup and nothing is left behind. Two heads over one 
 - :func:`splade_model`: the SPLADE activation of each input, the maximum over the real tokens of
   ``log(1 + relu(MLM logits))``, one row of vocabulary width per input.
 
-Precision ``int8`` stores each linear layer's weights as int8 with one scale per output column, and quantizes
-its input per token (each row of the activation its own scale, ``round(x / s) + 128`` as uint8) right before an
-integer ``MatMulInteger``; the int32 result is scaled back to float32. Per-token scales keep a token's result
-independent of the other tokens and texts of its batch (padding included), so a text's output does not depend
-on what it was batched with. Everything else (embeddings, layer norms, attention's own products) stays float32.
-Only standard ONNX operators are used.
+Precision ``int8`` stores each linear layer's weights as int8 (7 bits used, see :data:`WEIGHT_LEVELS`) with one
+scale per output column, and quantizes its input per token (each row of the activation its own scale,
+``round(x / s) + 128`` as uint8) right before an integer ``MatMulInteger``; the int32 result is scaled back to
+float32. Per-token scales keep a token's result independent of the other tokens and texts of its batch (padding
+included), so a text's output does not depend on what it was batched with. Everything else (embeddings, layer
+norms, attention's own products) stays float32. Only standard ONNX operators are used.
 
 Only the handful of protobuf fields onnxruntime needs are written (``onnx.proto`` field numbers, opset 17):
 ModelProto{ir_version, opset_import, graph}, GraphProto{node, initializer, input, output}, NodeProto, AttributeProto,
@@ -180,10 +180,18 @@ def _norm_params(w: Weights, prefix: str) -> tuple[npt.NDArray[np.float32], npt.
     return scale, shift
 
 
+# Weights use 7 of int8's bits. On x86 CPUs without VNNI, onnxruntime multiplies uint8 by int8 with an
+# instruction that adds each pair of neighbouring products in int16 and saturates (255 * 127 * 2 > 32767), so a
+# full-range int8 weight gives different, less accurate results there than on a VNNI CPU. With |q| <= 63 no pair
+# can pass 255 * 63 * 2 = 32130: every CPU computes the same integers, and a vector does not depend on the host.
+WEIGHT_LEVELS: Final = 63
+
+
 def _quantized(weight: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]:
-    """``weight`` (in x out) as int8 with one symmetric scale per output column: ``weight ~ q * scale``."""
-    scale = (np.maximum(np.abs(weight).max(axis=0), 1e-12) / 127.0).astype(np.float32)
-    q = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
+    """``weight`` (in x out) as int8 in [-WEIGHT_LEVELS, WEIGHT_LEVELS] with one symmetric scale per output column:
+    ``weight ~ q * scale``."""
+    scale = (np.maximum(np.abs(weight).max(axis=0), 1e-12) / WEIGHT_LEVELS).astype(np.float32)
+    q = np.clip(np.rint(weight / scale), -WEIGHT_LEVELS, WEIGHT_LEVELS).astype(np.int8)
     return q, scale
 
 
