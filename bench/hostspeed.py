@@ -10,6 +10,10 @@ numpy (float32 element-wise work on arrays larger than the caches: memory bandwi
 also lean on), each the median of several repeats, in milliseconds; lower is faster. ``bench/report.py`` takes it
 before and after every benchmark and prints both beside the load average.
 
+The host has not always been the same CPU either: some runs had AVX512-VNNI, some not, and onnxruntime's int8
+products take a different, slower path without it. :func:`cpu` names the model and says which, and the report
+prints it in its header.
+
     .venv/bin/python -m bench.hostspeed
 """
 
@@ -20,6 +24,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,6 +68,24 @@ def measure(repeats: int = 7) -> dict[str, float]:
     if repeats < 1:
         raise ValueError("repeats must be at least 1")
     return {"python_ms": _median_ms(python_work, repeats), "numpy_ms": _median_ms(numpy_work, repeats)}
+
+
+def cpu(cpuinfo: str | None = None) -> str:
+    """``"AMD EPYC, VNNI"`` or ``"..., no VNNI"``: the CPU model and whether it has int8 dot-product instructions
+    (``avx512_vnni`` or ``avx_vnni``), from ``cpuinfo`` (the text of /proc/cpuinfo, read when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "unknown CPU"
+    model, flags = "unknown CPU", set[str]()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "unknown CPU":
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return f"{model}, {'VNNI' if flags & {'avx512_vnni', 'avx_vnni'} else 'no VNNI'}"
 
 
 def describe(speed: dict[str, float] | None) -> str:

@@ -81,6 +81,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cores": os.cpu_count(),
+        "cpu": hostspeed.cpu(),
         "load_before": list(os.getloadavg()),
         "libraries": versions,
         "quick": args.quick,
@@ -289,8 +290,9 @@ def plots(results: dict[str, Any], prefix: Path) -> list[tuple[str, str]]:
 def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, Any]], images: list[Any]) -> str:
     out = [f"# Benchmark report, {env['date']}", ""]
     dirty = " (with uncommitted changes)" if env["dirty"] else ""
+    cpu_model = f", {env['cpu']}" if env.get("cpu") else ""  # reports written before the field have none
     out.append(f"Commit `{env['commit'][:12]}`{dirty}; Python {env['python']} on {env['cores']} cores "
-               f"({env['machine']}); load average before {_load(env['load_before'])}.")  # fmt: skip
+               f"({env['machine']}{cpu_model}); load average before {_load(env['load_before'])}.")  # fmt: skip
     if env["quick"]:
         out.append("\n**Quick run**: smaller sizes and fewer requests than the targets name; a smoke run, not figures.")
     out.append("\nLibraries: " + ", ".join(f"{k} {v}" for k, v in env["libraries"].items()) + ".")

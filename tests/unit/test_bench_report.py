@@ -12,8 +12,8 @@ from bench.figures import latency
 from bench.report import markdown, plots, profile_top, target_rows
 
 ENV = {"date": "2026-12-02T00:00:00+00:00", "commit": "abc123def4567890", "dirty": False, "python": "3.11.7",
-       "machine": "x86_64", "cores": 2, "load_before": [0.1, 0.2, 0.3], "libraries": {"aiohttp": "3"},
-       "quick": False}  # fmt: skip
+       "machine": "x86_64", "cores": 2, "cpu": "AMD EPYC, no VNNI", "load_before": [0.1, 0.2, 0.3],
+       "libraries": {"aiohttp": "3"}, "quick": False}  # fmt: skip
 
 
 def results() -> dict[str, Any]:
@@ -115,6 +115,7 @@ def test_plots_and_markdown_are_written(tmp_path: Path) -> None:
     assert "![Throughput vs workers](2026-12-02-proxy-workers.png)" in text
     assert "host yardstick before python 33.0 / numpy 6.2 ms, after python 58.5 / numpy 8.0 ms" in text
     assert "host yardstick before not taken, after not taken" in text  # the runs that did not record it
+    assert "on 2 cores (x86_64, AMD EPYC, no VNNI)" in text
 
 
 def test_the_machine_s_paths_do_not_reach_the_committed_report() -> None:
@@ -138,3 +139,14 @@ def test_the_host_yardstick_times_fixed_work() -> None:
     assert set(speed) == {"python_ms", "numpy_ms"} and all(v > 0 for v in speed.values())
     with pytest.raises(ValueError, match="at least 1"):
         hostspeed.measure(repeats=0)
+
+
+def test_the_cpu_line_says_whether_int8_dot_products_are_there() -> None:
+    from bench import hostspeed
+
+    with_vnni = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_vnni\n"
+    without = "processor\t: 0\nmodel name\t: Intel Xeon\nflags\t\t: fpu avx2\n"
+    assert hostspeed.cpu(with_vnni) == "AMD EPYC, VNNI"
+    assert hostspeed.cpu(without) == "Intel Xeon, no VNNI"
+    assert hostspeed.cpu("") == "unknown CPU, no VNNI"
+    assert hostspeed.cpu().endswith("VNNI")  # this machine's own /proc/cpuinfo
