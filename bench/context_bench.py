@@ -20,7 +20,6 @@ Every response's status is checked. Run: ``.venv/bin/python bench/context_bench.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import platform
@@ -42,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.figures import Figures, latency  # noqa: E402
 from bench.memory_bench import copy_rows, pct, query, sentence  # noqa: E402
-from bench.stack import embedded_stack  # noqa: E402
+from bench.stack import embedded_stack, event_loop_name, run_loop  # noqa: E402
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2 as pb  # noqa: E402
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2_grpc as pb_grpc  # noqa: E402
 from ibex_dataplane.security.principal import Principal, PrincipalSigner, grpc_target  # noqa: E402
@@ -82,7 +81,7 @@ async def run(args: argparse.Namespace, figures: Figures) -> None:
         texts = [sentence(rng, i) for i in range(args.memories)]
         vectors = np.vstack([await embedder.embed(texts[i : i + 256]) for i in range(0, len(texts), 256)])
         await copy_rows(stores, tenant, "alpha", texts, vectors)
-        print(versions(stack.durability), flush=True)
+        print(versions(stack.durability) + f"; event loop {event_loop_name(args.no_uvloop)}", flush=True)
         figures.put("durability", stack.durability)
         figures.put("memories", args.memories)
         print(f"setup: {args.memories} memories COPY'd for one agent; {args.hot} written through the refinery")
@@ -181,10 +180,11 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
+    parser.add_argument("--no-uvloop", action="store_true", help="asyncio's own event loop instead of production's")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     figures = Figures("context")
-    asyncio.run(run(args, figures))
+    run_loop(run(args, figures), plain=args.no_uvloop)
     figures.write(args.json)
 
 

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.cpu import cpu_ms_per_call, processes, stat_ticks  # noqa: E402
 from bench.figures import Figures, latency  # noqa: E402
-from bench.stack import embedded_stack  # noqa: E402
+from bench.stack import embedded_stack, event_loop_name, run_loop  # noqa: E402
 from ibex_dataplane.embedding.splade import OnnxSpladeEncoder  # noqa: E402
 from ibex_dataplane.memory.app import METRICS  # noqa: E402
 from ibex_dataplane.memory.models import Tenant as MemoryTenant  # noqa: E402
@@ -307,6 +307,7 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
         lines.append(line)
 
     rng = random.Random(7)
+    report(f"event loop: {event_loop_name(args.no_uvloop)}")
     async with embedded_stack("ibex-memory-bench-") as stack:
         settings, stores, embedder, redactor, pepper = (
             stack.settings,
@@ -465,6 +466,7 @@ def main() -> None:
     parser.add_argument("--noise", type=int, default=20_000, help="rows of another org in the same index")
     parser.add_argument("--streams", type=int, default=1, help="concurrent batch requests in the second ingest half")
     parser.add_argument("--verbose", action="store_true", help="log per-stage refinery timings")
+    parser.add_argument("--no-uvloop", action="store_true", help="asyncio's own event loop instead of production's")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
     args = parser.parse_args()
@@ -472,7 +474,7 @@ def main() -> None:
     if args.verbose:
         logging.getLogger("ibex_dataplane.memory.refinery").setLevel(logging.INFO)
     figures = Figures("memory")
-    lines = asyncio.run(run(args, figures))
+    lines = run_loop(run(args, figures), plain=args.no_uvloop)
     figures.write(args.json)
     if args.out:
         command = "python bench/memory_bench.py " + " ".join(sys.argv[1:])

@@ -3,14 +3,16 @@ tenant factory that goes through the real reconcile code. Used by ``memory_bench
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -27,6 +29,23 @@ from ibex_operator.repository import TenantConfigRepository  # noqa: E402
 from ibex_operator.secrets import FileSecretSink  # noqa: E402
 from tests.support.proxy import MemoryDeps  # noqa: E402
 from tests.support.tenants import TenantFactory  # noqa: E402
+
+T = TypeVar("T")
+
+
+def event_loop_name(plain: bool) -> str:
+    return "asyncio" if plain else "uvloop"
+
+
+def run_loop(main: Coroutine[Any, Any, T], *, plain: bool = False) -> T:
+    """Run ``main`` on the event loop the stages run on in production: uvloop, as ``ibex dev`` and ``ibex serve``
+    start it; asyncio's own loop with ``plain`` (``--no-uvloop``), for comparison. The benchmark's client shares the
+    loop with the stages it drives, as the in-process stack requires."""
+    if plain:
+        return asyncio.run(main)
+    import uvloop
+
+    return uvloop.run(main)
 
 
 @dataclass
