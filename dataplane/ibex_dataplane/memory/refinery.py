@@ -143,7 +143,6 @@ class WriteBatch:
     request_id: str
     deadline: float  # epoch seconds
     candidates: list[Candidate]
-    committed_at: float | None = None
     outbox: list[tuple[int, list[UUID]]] = field(default_factory=list)
     seen: dict[bytes, Candidate] = field(default_factory=dict)  # content hash -> first item: shared by the slices
 
@@ -501,7 +500,6 @@ class Persist:
             for c in todo:
                 c.fail(Degraded("the memory store is unavailable; nothing was stored"))
             return Counter(failed=len(todo))
-        batch.committed_at = time.time()
         outcomes: Counter[str] = Counter()
         for c, memory in created.items():
             outcome = WriteOutcome.QUARANTINED if c.quarantined else WriteOutcome.CREATED
