@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -88,7 +88,8 @@ class TrafficDuringInsert:
         self._ch, self._recorder, self._arrivals = clickhouse, recorder, arrivals
         self.inserts: list[tuple[str, int]] = []
 
-    async def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
+    async def insert(self, table: str, rows: Iterable[Sequence[Any]], column_names: Sequence[str]) -> None:
+        rows = list(rows)  # the recorder hands over a generator
         self.inserts.append((table, len(rows)))
         if self._arrivals > 0:
             self._arrivals -= 1

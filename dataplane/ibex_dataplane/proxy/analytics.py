@@ -139,10 +139,9 @@ class AnalyticsRecorder:
                 return
             pending -= len(batch)
             try:
-                await self._ch.insert("llm_traces", [t.trace_row() for t in batch], TRACE_COLUMNS)
-                priced = [t.usage_row() for t in batch if t.priced]
-                if priced:
-                    await self._ch.insert("usage_facts", priced, USAGE_COLUMNS)
+                # Generators: each row is built as it is encoded, in slices between which requests run.
+                await self._ch.insert("llm_traces", (t.trace_row() for t in batch), TRACE_COLUMNS)
+                await self._ch.insert("usage_facts", (t.usage_row() for t in batch if t.priced), USAGE_COLUMNS)
             except StoreUnavailable as e:
                 self.dropped.labels("clickhouse_unavailable").inc(len(batch))
                 log.warning("dropped %d analytics rows: %s", len(batch), e)

@@ -3,7 +3,13 @@
 The client is synchronous, so calls never run on the event loop. Over HTTP they run on one worker thread (the
 socket I/O releases the GIL). The embedded chdb engine, however, holds the GIL for milliseconds at a time, which
 would stall every request of the process, so for ``chdb://`` URLs the engine lives in a dedicated child process
-and calls are shipped to it (rows and results are plain picklable values). A data path opens in one process only,
+and calls are shipped to it (arguments and results are plain picklable values).
+
+Inserted rows travel as one bytes block in ClickHouse's ``JSONCompactEachRow`` format, encoded on the event loop
+by orjson in slices that yield to the loop between them (:func:`json_rows`), and parsed by ClickHouse. Handing the
+rows over as Python values instead cost the process a multi-millisecond hold of the GIL per 1,000-row batch
+(pickling them for the engine process, or clickhouse-connect's own encoding on the HTTP thread), during which no
+request of the process could run (``bench/analytics_flush_bench.py``). A data path opens in one process only,
 so the workers of ``ibex proxy --workers N`` do not open it: the supervisor serves its one engine to them over a
 Unix socket (:class:`EngineServer`, authenticated with a per-run key) and their clients are
 ``ClickHouse(url, engine=EngineAddress(...))``. ClickHouse has no row-level security:
@@ -18,13 +24,16 @@ import logging
 import multiprocessing
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from decimal import Decimal
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, TypeVar
 from uuid import UUID
+
+import orjson
 
 from ibex_dataplane.store.errors import StoreQueryError, StoreUnavailable, TenantKeyError
 
@@ -33,6 +42,12 @@ T = TypeVar("T")
 CALL_TIMEOUT = 60.0
 """Seconds a call may take before it counts as an outage (analytics degrade; nothing waits on a stuck engine)."""
 _ORG_FILTER = re.compile(r"\borg_id\s*=\s*\{org_id:UUID\}")
+ENCODE_SLICE = 100
+"""Rows encoded between two yields to the event loop (bench/analytics_flush_bench.py: about 0.3 ms of work)."""
+_INSERT_FORMAT = "JSONCompactEachRow"
+# orjson writes datetimes as RFC 3339 ("2026-12-06T20:14:23.123456+00:00"); naive ones (no offset) are read in the
+# column's time zone, as clickhouse-connect's own encoding does.
+_INSERT_SETTINGS = {"date_time_input_format": "best_effort"}
 
 
 @dataclass(frozen=True)
@@ -70,8 +85,33 @@ def _command(url: str, sql: str) -> None:
     _client(url).command(sql)
 
 
-def _insert(url: str, table: str, rows: list[list[Any]], column_names: list[str]) -> None:
-    _client(url).insert(table, rows, column_names=column_names)
+def _insert(url: str, table: str, block: bytes, column_names: list[str]) -> None:
+    _client(url).raw_insert(table, column_names, insert_block=block, settings=_INSERT_SETTINGS, fmt=_INSERT_FORMAT)
+
+
+def _exact(value: Any) -> str:
+    """orjson's fallback: Decimals as their exact text (a ``Decimal`` column parses it), and UUIDs of a subclass
+    orjson does not take as one (asyncpg's); nothing else."""
+    if isinstance(value, Decimal | UUID):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not an analytics column value")
+
+
+async def json_rows(rows: Iterable[Sequence[Any]]) -> bytes:
+    """``rows`` as a ``JSONCompactEachRow`` block: one JSON array per row and line (UUIDs and datetimes as
+    strings, Decimals exact, None as null, which ClickHouse reads as the column's default). Encoded
+    :data:`ENCODE_SLICE` rows at a time, yielding to the event loop between slices, so a large batch never holds
+    the loop for long. A value of another type is a :class:`StoreQueryError` (a bug of the caller's)."""
+    lines: list[bytes] = []
+    try:
+        for i, row in enumerate(rows, 1):
+            lines.append(orjson.dumps(row, default=_exact, option=orjson.OPT_APPEND_NEWLINE))
+            if i % ENCODE_SLICE == 0:
+                await asyncio.sleep(0)
+    except TypeError as e:
+        log.error("clickhouse row not encodable: %s", e)
+        raise StoreQueryError("clickhouse", type(e).__name__) from e
+    return b"".join(lines)
 
 
 def _query(url: str, sql: str, parameters: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -282,8 +322,12 @@ class ClickHouse:
     async def command(self, sql: str) -> None:
         await self._call(_command, sql)
 
-    async def insert(self, table: str, rows: Sequence[Sequence[Any]], column_names: Sequence[str]) -> None:
-        await self._call(_insert, table, [list(r) for r in rows], list(column_names))
+    async def insert(self, table: str, rows: Iterable[Sequence[Any]], column_names: Sequence[str]) -> None:
+        """Insert ``rows`` (values in ``column_names`` order, taken from the iterable as they are encoded) as one
+        block: see :func:`json_rows` for the encoding and the types it takes. Nothing is sent for no rows."""
+        block = await json_rows(rows)
+        if block:
+            await self._call(_insert, table, block, list(column_names))
 
     async def query(self, q: OrgQuery) -> list[tuple[Any, ...]]:
         if not isinstance(q, OrgQuery):
