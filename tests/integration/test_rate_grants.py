@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -72,6 +73,93 @@ async def test_near_a_limit_every_request_is_counted_alone_and_the_limit_is_exac
     assert [d.allowed for d in decisions] == [True] * 20 + [False] * 2
     assert [d.remaining for d in decisions[:20]] == list(range(19, -1, -1))
     assert limiter.open_grants == 0 and await counts(redis, org, agent) == (20, 200)
+
+
+class ScriptCalls:
+    """Which task ran each admit script of a limiter: the request's own (the test) or a background top-up."""
+
+    def __init__(self, limiter: RateLimiter) -> None:
+        self.by: list[str] = []
+        script = limiter._admit
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            task = asyncio.current_task()
+            self.by.append(task.get_name() if task is not None else "?")
+            return await script(*args, **kwargs)
+
+        limiter._admit = counted  # type: ignore[assignment]
+
+
+async def test_a_steady_stream_tops_its_grant_up_in_the_background_and_stays_exact(
+    redis: aioredis.Redis, clock: HandClock
+) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = granting(redis, clock)  # grants of 8: a top-up starts when a draw leaves 2 or fewer
+    calls = ScriptCalls(limiter)
+    me = asyncio.current_task()
+    assert me is not None
+    decisions = []
+    for _ in range(40):
+        decisions.append(await limiter.admit(org, agent, ROOMY, 10))
+        await limiter.drain()  # the time between two requests, in which a top-up's reply comes back
+    assert all(d.allowed for d in decisions)
+    assert [d.remaining for d in decisions] == list(range(999, 959, -1))  # one process: the exact count
+    # The first request alone, the second with the first grant; every later grant was counted in the background,
+    # while requests drew from what the one before had left, and took that rest over (nothing to give back).
+    assert calls.by[:2] == [me.get_name()] * 2
+    assert set(calls.by[2:]) == {"ibex-rate-grant-top-up"} and len(calls.by) >= 6
+    assert limiter.open_grants == 1
+    await limiter.close()
+    assert await counts(redis, org, agent) == (40, 400)
+
+
+async def test_near_a_limit_a_top_up_counts_nothing_and_the_limit_stays_exact(
+    redis: aioredis.Redis, clock: HandClock
+) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = granting(redis, clock)
+    # The first grant fits (1 counted + 4 x 8 free <= 40); its top-up would not (9 + 32 > 40), so it counts nothing.
+    near = RateLimits(agent_rpm=40, agent_tpm=None, org_rpm=None, org_tpm=None)
+    decisions = []
+    for _ in range(45):
+        decisions.append(await limiter.admit(org, agent, near, 10))
+        await limiter.drain()
+    assert [d.allowed for d in decisions] == [True] * 40 + [False] * 5
+    assert [d.remaining for d in decisions[:40]] == list(range(39, -1, -1))
+    await limiter.close()
+    assert await counts(redis, org, agent) == (40, 400)
+
+
+async def test_a_top_up_that_fails_leaves_the_next_request_to_ask_redis_itself(
+    redis: aioredis.Redis, clock: HandClock
+) -> None:
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = granting(redis, clock)
+    calls = ScriptCalls(limiter)
+    counted = limiter._admit
+    failed: list[str] = []
+
+    async def down_for_top_ups(*args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        if task is not None and task.get_name() == "ibex-rate-grant-top-up":
+            failed.append(task.get_name())
+            raise ConnectionError("Valkey is unreachable")
+        return await counted(*args, **kwargs)
+
+    limiter._admit = down_for_top_ups  # type: ignore[assignment]
+    me = asyncio.current_task()
+    assert me is not None
+    decisions = []
+    for _ in range(12):
+        decisions.append(await limiter.admit(org, agent, ROOMY, 10))
+        await limiter.drain()
+    assert all(d.allowed for d in decisions)
+    # Requests 1 and 2 asked Redis (the second got a grant of 8), 3-9 drew from it while its top-ups (after 7, 8
+    # and 9) failed, and the 10th, finding it spent, asked Redis itself for a new one, from which 11 and 12 drew.
+    assert failed == ["ibex-rate-grant-top-up"] * 3
+    assert calls.by == [me.get_name()] * 3
+    await limiter.close()
+    assert await counts(redis, org, agent) == (12, 120)
 
 
 async def test_a_grant_is_not_drawn_from_after_its_time_or_near_its_windows_end(
@@ -137,8 +225,9 @@ async def test_two_granting_replicas_never_admit_more_than_the_limit(
         admitted = 0
         for _ in range(10):  # waves of concurrent requests over both replicas
             admitted += sum(await asyncio.gather(*(one(i) for i in range(30))))
-        # Exact on the high side always; each replica may hold back at most one grant's rest (7) meanwhile.
-        assert 100 - 2 * 7 <= admitted <= 100
+        # Exact on the high side always; each replica may hold back at most one grant's rest meanwhile (a grant's
+        # 8 with the quarter of the one a top-up took over: 10).
+        assert 100 - 2 * 10 <= admitted <= 100
         for replica in replicas:
             await replica.close()
         assert (await counts(redis, org, agent))[0] == admitted

@@ -68,6 +68,11 @@ class GrantBook:
         grant.tokens -= tokens
         return grant
 
+    def low(self, key: Hashable) -> bool:
+        """Whether the grant of ``key`` has a quarter of its requests left or fewer (time for the next one)."""
+        grant = self._grants.get(key)
+        return grant is not None and grant.requests <= self.settings.requests // 4
+
     def seen(self, key: Hashable, now: float) -> bool:
         """Note a request of ``key``; True when another came within ``seconds`` (busy enough for a grant)."""
         last = self._seen.get(key)

@@ -26,7 +26,10 @@ requests within the grant's seconds), the admit script may count a grant of N re
 token estimate, instead of the one request. It does so only when every limited tier keeps ``1 + reserve`` grants
 free beside it, so near a limit every request is counted alone, as above. The process then admits the agent's next
 requests from the grant with no Redis call, for at most the grant's seconds and never past its window's end (less a
-50 ms margin for the clock), and gives back what is left to that window. So the guarantee above stands for
+50 ms margin for the clock), and gives back what is left to that window. When a draw leaves a quarter of the grant
+or less, the next grant is counted in the background (a top-up: the script counts it only if it fits, and no
+request with it), so a steady stream of requests does not wait on Redis; a top-up counted in the same window takes
+over what the grant it replaces has left. So the guarantee above stands for
 admissions (what is counted is never above a limit); what changes is that a request may be denied while another
 process holds an unused grant, for at most the grant's seconds, and the ``X-RateLimit-Remaining`` of a drawn
 request is the count as of its grant. Requests drawn from a grant are admitted while Redis is unreachable, since
@@ -53,6 +56,7 @@ from uuid import UUID
 from redis.exceptions import RedisError
 
 from ibex_dataplane.proxy.rate_grants import Grant, GrantBook, GrantSettings
+from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.keys import TenantKeys
 from ibex_dataplane.store.redis import REDIS_DOWN, RedisClient, unavailable
 
@@ -134,8 +138,10 @@ end
 
 -- A grant (ARGV 9-11: requests, tokens, reserve multiple): when the request passes and every limited tier keeps
 -- (1 + reserve) times the grant free, count the grant instead of the one request; the caller draws the rest of it
--- itself. Near a limit no grant fits and the request is counted alone.
+-- itself. Near a limit no grant fits and the request is counted alone. A top-up (ARGV 12 = '1') has no request of
+-- its own: it counts the grant when it fits, and nothing otherwise.
 local n, ntok = 1, tokens
+if ARGV[12] == '1' then n, ntok = 0, 0 end
 local gk = tonumber(ARGV[9]) or 0
 if denied == 0 and gk > 1 then
   local gt = tonumber(ARGV[10])
@@ -147,7 +153,7 @@ if denied == 0 and gk > 1 then
 end
 
 local reset = (window + 1) * span - now
-if denied == 0 then
+if denied == 0 and n > 0 then
   for i = 1, 2 do
     if used[i] then
       if stored[i][1] == window then
@@ -309,6 +315,7 @@ class RateLimiter:
         self._give_back = redis.register_script(_GIVE_BACK_LUA)
         self._grants = GrantBook(grants) if grants is not None else None
         self._returns: set[asyncio.Task[None]] = set()
+        self._top_ups: set[asyncio.Task[None]] = set()
         self._granting: dict[tuple[UUID, UUID, RateLimits], asyncio.Future[None]] = {}  # grants being counted
 
     def _local_now(self) -> float:
@@ -334,6 +341,8 @@ class RateLimiter:
                 await asyncio.shield(pending)  # a grant is being counted for this agent: draw from it if it came
                 drawn = self._draw(key, tokens)
             if drawn is not None:
+                if key not in self._granting and book.low(key):
+                    self._top_up(key, tokens)
                 return drawn
             if busy and key not in self._granting:
                 grant_size = book.settings.requests
@@ -356,10 +365,32 @@ class RateLimiter:
         return RateDecision(True, grant.limit, remaining, max(0.0, grant.window_ends - now), None, None,
                             window=grant.window)  # fmt: skip
 
+    def _top_up(self, key: tuple[UUID, UUID, RateLimits], tokens: int) -> None:
+        """Count the agent's next grant in the background, sized on this request's tokens. Requests that find the
+        current grant spent meanwhile wait for it (``_granting``). A failure is nobody's: the next request that
+        cannot draw asks Redis itself, and fails closed if Redis is down."""
+        assert self._grants is not None
+        org_id, agent_id, limits = key
+        granting = self._granting[key] = asyncio.get_running_loop().create_future()
+        size = self._grants.settings.requests
+
+        async def top_up() -> None:
+            try:
+                with contextlib.suppress(StoreUnavailable):
+                    await self._count(org_id, agent_id, limits, tokens, size, top_up=True)
+            finally:
+                del self._granting[key]
+                granting.set_result(None)
+
+        task = asyncio.get_running_loop().create_task(top_up(), name="ibex-rate-grant-top-up")
+        self._top_ups.add(task)
+        task.add_done_callback(self._top_ups.discard)
+
     async def _count(
-        self, org_id: UUID, agent_id: UUID, limits: RateLimits, tokens: int, grant_size: int
+        self, org_id: UUID, agent_id: UUID, limits: RateLimits, tokens: int, grant_size: int, *, top_up: bool = False
     ) -> RateDecision:
-        """The admit script: this request counted alone, or with a grant of ``grant_size`` when one fits."""
+        """The admit script: this request counted alone, or with a grant of ``grant_size`` when one fits; with
+        ``top_up``, the grant alone when it fits, or nothing (the decision is then nobody's)."""
         book, key = self._grants, (org_id, agent_id, limits)
         keys = TenantKeys(org_id)
         try:
@@ -377,6 +408,7 @@ class RateLimiter:
                     grant_size,
                     grant_size * tokens,
                     book.settings.reserve if book is not None else 0,
+                    "1" if top_up else "0",
                 ],
             )
         except _REDIS_FAILURES as e:
@@ -387,11 +419,15 @@ class RateLimiter:
             (limits.org_rpm, org_requests),
         )
         reset_seconds = reset_ms / 1000
-        if counted > 1 and book is not None:  # a grant: this request is one of them, the rest is drawn here
-            now = self._local_now()
-            grant = Grant(key, window, counted - 1, (counted - 1) * tokens, limit, remaining, now + reset_seconds,
+        if counted > 1 and book is not None:  # a grant: this request is one of them (unless a top-up), the rest is
+            now = self._local_now()  # drawn here
+            drawable = counted if top_up else counted - 1
+            grant = Grant(key, window, drawable, drawable * tokens, limit, remaining, now + reset_seconds,
                           now + book.settings.seconds)  # fmt: skip
             if (old := book.add(grant)) is not None:
+                if top_up and old.window == window:  # counted in this window too: drawn from the new grant
+                    grant.requests, grant.tokens = grant.requests + old.requests, grant.tokens + old.tokens
+                    old.requests = old.tokens = 0
                 self._return(old)
             asyncio.get_running_loop().call_later(book.settings.seconds, self._expire, grant)
             if remaining is not None:
@@ -436,8 +472,14 @@ class RateLimiter:
     def open_grants(self) -> int:
         return self._grants.open if self._grants is not None else 0
 
+    async def drain(self) -> None:
+        """Wait until no grant is being topped up in the background."""
+        while self._top_ups:
+            await asyncio.gather(*self._top_ups, return_exceptions=True)
+
     async def close(self) -> None:
-        """At shutdown: give back what every grant has left, and wait for it."""
+        """At shutdown: let top-ups finish, then give back what every grant has left, and wait for it."""
+        await self.drain()
         if self._grants is not None:
             for grant in self._grants.take_all():
                 self._return(grant)
