@@ -13,6 +13,10 @@ With ``--workers 1,2`` it also measures ``ibex proxy --workers N`` for each N, b
 ``ibex dev``); the targets are named ``workers=N``. The load generator is this one Python process, on the same
 machine: at some point it, not the proxy, is the limit (compare with ``direct``).
 
+With ``--stages`` it also says where the proxy's own time went in the sequential phase, from the analytics rows
+``ibex dev`` wrote for those requests (read from its ClickHouse once it has stopped): p50, p99 and the largest of
+each gate, of the upstream call and of the rest (the request's time less those), server side.
+
 With ``--litellm PATH/TO/litellm`` it also measures LiteLLM's proxy side by side (master key only, no database,
 one worker, the same upstream). LiteLLM is not a dependency of this project; install it in a scratch virtualenv:
 ``python3 -m venv "$LITELLM_VENV" && "$LITELLM_VENV/bin/pip" install 'litellm[proxy]'`` (any scratch folder).
@@ -85,6 +89,30 @@ BODY = {
 }
 
 
+def stage_tails(engine: Path, skip: int, n: int) -> dict[str, dict[str, float]]:
+    """p50, p99 and max (ms) of each gate, the upstream call and the rest, over ``n`` requests after the first
+    ``skip`` (in time order) of the analytics rows in the embedded ClickHouse at ``engine``."""
+    import clickhouse_connect  # the bench's own reader, after `ibex dev` released the engine
+
+    client = clickhouse_connect.get_client(dsn=f"chdb://{engine}")
+    try:
+        rows = client.query(
+            "SELECT latency_ms, upstream_ms, stage_ms FROM llm_traces ORDER BY ts"
+            " LIMIT {n:UInt32} OFFSET {skip:UInt32}",
+            parameters={"n": n, "skip": skip},
+        ).result_rows
+    finally:
+        client.close()
+    if len(rows) != n:
+        raise SystemExit(f"expected {n} analytics rows of the sequential phase, found {len(rows)}")
+    columns: dict[str, list[float]] = {"upstream": [r[1] for r in rows]}
+    for name in sorted({k for r in rows for k in r[2]}):
+        columns[name] = [r[2].get(name, 0.0) for r in rows]
+    columns["rest"] = [r[0] - r[1] - sum(r[2].values()) for r in rows]
+    columns["request"] = [r[0] for r in rows]
+    return {name: {"p50": q(values, 50), "p99": q(values, 99), "max": max(values)} for name, values in columns.items()}
+
+
 def start(cmd: list[str], env: dict[str, str], pattern: str, timeout: float = 120) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
@@ -141,6 +169,10 @@ async def throughput(
     return (per_worker * c - errors) / (time.perf_counter() - t0), errors
 
 
+WARM_UP = 300
+"""Requests each target serves before anything is measured."""
+
+
 def q(values: list[float], p: float) -> float:
     return statistics.quantiles(values, n=1000)[int(p * 10) - 1]
 
@@ -157,7 +189,7 @@ async def measure(
     cpu: dict[str, dict[str, float]] = {}
     async with aiohttp.ClientSession(connector=connector) as http:
         for url, headers in targets.values():  # warm up every path
-            await timed(http, url, headers, 300)
+            await timed(http, url, headers, WARM_UP)
         for _ in range(args.rounds):  # interleave rounds so drift hits every side alike
             for name, (url, headers) in targets.items():
                 latencies[name] += await timed(http, url, headers, args.requests // args.rounds)
@@ -254,6 +286,7 @@ def main() -> None:
     parser.add_argument("--litellm", default=None, help="path of a `litellm` executable to measure side by side")
     parser.add_argument("--profile", default=None, help="py-spy the proxy during its throughput phase into this file")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
+    parser.add_argument("--stages", action="store_true", help="where the proxy's time went, from its analytics rows")
     parser.add_argument(
         "--workers", type=lambda v: [int(n) for n in v.split(",")], default=[],
         help="also measure `ibex proxy --workers N` for each N of this comma-separated list",
@@ -318,6 +351,8 @@ def main() -> None:
                 stop(proc)
             stop(dev_proc)
             stop(upstream_proc)
+        sequential = args.requests // args.rounds * args.rounds
+        stages = stage_tails(root / "data" / "clickhouse", WARM_UP, sequential) if args.stages else None
 
     print(f"latency: {args.requests} sequential requests per target in {args.rounds} interleaved rounds; "
           f"throughput: {args.throughput_requests} requests at concurrency {args.concurrency}; Postgres "
@@ -356,6 +391,13 @@ def main() -> None:
     for n in args.workers:  # `ibex proxy --workers N` alone (the "ibex" target is `ibex dev`, every stage in one)
         _, rps, errors, _, _ = result[f"workers={n}"]
         figures.put(f"workers.{n}", {"rps": rps, "errors": errors})
+    if stages is not None:
+        print(f"where the proxy's time went, the {sequential} sequential requests through `ibex dev`, server side "
+              "(its analytics rows), ms:")  # fmt: skip
+        print(f"  {'':18}{'p50':>8}{'p99':>8}{'max':>8}")
+        for name, values in sorted(stages.items(), key=lambda kv: -kv[1]["p99"]):
+            print(f"  {name:18}{values['p50']:8.3f}{values['p99']:8.3f}{values['max']:8.2f}")
+        figures.put("stages.ibex", stages)
     figures.write(args.json)
 
 
