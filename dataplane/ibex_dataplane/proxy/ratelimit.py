@@ -419,8 +419,9 @@ class RateLimiter:
             (limits.org_rpm, org_requests),
         )
         reset_seconds = reset_ms / 1000
-        if counted > 1 and book is not None:  # a grant: this request is one of them (unless a top-up), the rest is
-            now = self._local_now()  # drawn here
+        if counted > 1 and book is not None:
+            # A grant: this request is one of them (a top-up has no request), the rest is drawn here.
+            now = self._local_now()
             drawable = counted if top_up else counted - 1
             grant = Grant(key, window, drawable, drawable * tokens, limit, remaining, now + reset_seconds,
                           now + book.settings.seconds)  # fmt: skip
