@@ -6,7 +6,8 @@ with plots, saying for each performance target whether it was met and by how muc
 Writes ``<out-dir>/<date>.json`` (the environment and every benchmark's figures), ``<out-dir>/<date>.md`` (the
 report) and its plots, ``<out-dir>/<date>-*.png``. The benchmarks run as separate processes, alone, in this order:
 the proxy overhead (``bench/proxy_overhead.py``: 1 and 2 workers, LiteLLM side by side when ``--litellm`` names
-its executable, a py-spy profile of the proxy's throughput phase), memory search at 10k and 100k memories
+its executable, a py-spy profile of the proxy's throughput phase, where the sequential requests' time went by
+gate from the proxy's analytics rows), memory search at 10k and 100k memories
 (``bench/memory_bench.py``), context assembly at 10k memories (``bench/context_bench.py``) and the memory of each
 process (``bench/rss.py``). Each stores Postgres with the durability of production (``synchronous_commit = on``)
 and records the settings it ran with; before and after each, the report times the host yardstick of
@@ -48,7 +49,7 @@ def bench_commands(args: argparse.Namespace, json_dir: Path) -> dict[str, list[s
     proxy = [py, "-m", "bench.proxy_overhead", "--workers", "1,2", "--json", str(json_dir / "proxy.json")]
     proxy += ["--requests", "800", "--throughput-requests", "2000"] if quick else []
     proxy += ["--litellm", args.litellm] if args.litellm else []
-    proxy += ["--profile", str(json_dir / "proxy-profile.txt")]
+    proxy += ["--profile", str(json_dir / "proxy-profile.txt"), "--stages"]
     memory = [py, "bench/memory_bench.py", "--json", str(json_dir / "memory.json"), "--streams", "2"]
     small = ["--single", "50", "--searches", "100", "--small", "2000", "--big", "20000", "--noise", "4000"]
     memory += small if quick else []
@@ -323,6 +324,15 @@ def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, 
                 "Inclusive share of py-spy samples of the proxy process during the throughput phase "
                 "(the project's functions; the frames every request passes through are left out):", ""]  # fmt: skip
         out += [f"- {share:.1f} % {name}" for name, share in proxy["profile_top"]]
+    stages = _get(proxy, "figures", "stages", "ibex")
+    if stages:
+        out += ["", "## Where the proxy's latency goes", "",
+                "Server side, the sequential requests through `ibex dev` (the latency phase), from the analytics rows "
+                "the proxy wrote for them: each gate, the upstream call, and the rest of the request's time (its "
+                "handling outside the gates and the call). Milliseconds, by p99:", "",
+                "| part | p50 | p99 | max |", "|---|---|---|---|"]  # fmt: skip
+        ranked = sorted(stages.items(), key=lambda kv: (kv[0] != "request", -kv[1]["p99"]))
+        out += [f"| {name} | {v['p50']:.3f} | {v['p99']:.3f} | {v['max']:.2f} |" for name, v in ranked]
     cpu = {name: t["cpu_us_per_request"] for name, t in (_get(proxy, "figures", "targets") or {}).items()
            if t.get("cpu_us_per_request")}  # fmt: skip
     if cpu:

@@ -29,6 +29,13 @@ def results() -> dict[str, Any]:
         "added": {"ibex": {"p50": 2.4, "p95": 5.0, "p99": 8.3}},
         "workers": {"1": {"rps": 200.0, "errors": 0}, "2": {"rps": 320.0, "errors": 0}},
         "durability": {"synchronous_commit": "on", "fsync": "on"},
+        "stages": {
+            "ibex": {
+                "rate_limit": {"p50": 0.06, "p99": 0.17, "max": 0.7},
+                "request": {"p50": 1.2, "p99": 3.6, "max": 8.6},
+                "upstream": {"p50": 0.64, "p99": 2.72, "max": 7.8},
+            }
+        },
     }
     memory = {
         "search": {
@@ -112,6 +119,14 @@ def test_plots_and_markdown_are_written(tmp_path: Path) -> None:
     assert "Postgres synchronous_commit = on, fsync = on" in text
     assert "- 12.5 % gate (proxy/generation.py)" in text
     assert "- workers=1: proxy 400, postgres 150" in text
+    # The request first, then its parts by p99.
+    table = text.split("## Where the proxy's latency goes")[1].split("##")[0]
+    assert [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:] == [
+        "| request",
+        "| upstream",
+        "| rate_limit",
+    ]
+    assert "| upstream | 0.640 | 2.720 | 7.80 |" in table
     assert "![Throughput vs workers](2026-12-02-proxy-workers.png)" in text
     assert "host yardstick before python 33.0 / numpy 6.2 ms, after python 58.5 / numpy 8.0 ms" in text
     assert "host yardstick before not taken, after not taken" in text  # the runs that did not record it
