@@ -13,6 +13,9 @@ With ``--workers 1,2`` it also measures ``ibex proxy --workers N`` for each N, b
 ``ibex dev``); the targets are named ``workers=N``. The load generator is this one Python process, on the same
 machine: at some point it, not the proxy, is the limit (compare with ``direct``).
 
+With ``--bare`` it also measures a bare pass-through (``bench/passthrough.py``: the same HTTP server and upstream
+client as ``ibex``, nothing else) as the target ``bare``, the floor one more hop through a Python process sets.
+
 With ``--stages`` it also says where the proxy's own time went in the sequential phase, from the analytics rows
 ``ibex dev`` wrote for those requests (read from its ClickHouse once it has stopped): p50, p99 and the largest of
 each gate, of the upstream call and of the rest (the request's time less those), server side.
@@ -287,6 +290,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="py-spy the proxy during its throughput phase into this file")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
     parser.add_argument("--stages", action="store_true", help="where the proxy's time went, from its analytics rows")
+    parser.add_argument("--bare", action="store_true", help="also measure a bare pass-through (bench/passthrough.py)")
     parser.add_argument(
         "--workers", type=lambda v: [int(n) for n in v.split(",")], default=[],
         help="also measure `ibex proxy --workers N` for each N of this comma-separated list",
@@ -315,7 +319,7 @@ def main() -> None:
              "--data-dir", str(root / "data"), "--port", "0", "--keys-out", str(root / "keys.json")],
             dev_env, r"ready.*(http://\S+) ",
         )  # fmt: skip
-        litellm_proc = None
+        litellm_proc = bare_proc = None
         worker_procs: list[subprocess.Popen[str]] = []
         try:
             admin_dsn = json.loads((root / "data" / "runtime.json").read_text())["postgres_admin_dsn"]
@@ -326,6 +330,12 @@ def main() -> None:
                 "ibex": (proxy_url + "/v1/chat/completions",
                          {"Authorization": f"Bearer {token}", "X-IBEX-Agent-ID": "bench-agent"}),
             }  # fmt: skip
+            if args.bare:
+                bare_proc, bare_url = start(
+                    [sys.executable, "-m", "bench.passthrough", upstream_url, API_KEY], env,
+                    r"passthrough ready: (http://\S+)",
+                )  # fmt: skip
+                targets["bare"] = (bare_url + "/v1/chat/completions", {})
             for n in args.workers:
                 proc, url = start_workers_proxy(n, root, dev_env)
                 worker_procs.append(proc)
@@ -343,10 +353,14 @@ def main() -> None:
             }
             if litellm_proc is not None:
                 pids["litellm"] = litellm_proc.pid
+            if bare_proc is not None:
+                pids["bare"] = bare_proc.pid
             result = asyncio.run(measure(targets, args, pids))
         finally:
             if litellm_proc is not None:
                 stop(litellm_proc)
+            if bare_proc is not None:
+                stop(bare_proc)
             for proc in worker_procs:
                 stop(proc)
             stop(dev_proc)
