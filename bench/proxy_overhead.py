@@ -16,11 +16,6 @@ machine: at some point it, not the proxy, is the limit (compare with ``direct``)
 With ``--bare`` it also measures a bare pass-through (``bench/passthrough.py``: the same HTTP server and upstream
 client as ``ibex``, nothing else) as the target ``bare``, the floor one more hop through a Python process sets.
 
-With ``--stores-nice N`` the embedded stores' processes (every ``postgres`` and ``valkey-server`` process and
-thread on the machine, once ``ibex dev`` is up; new Postgres backends inherit it) run at nice ``N``: an
-approximation, on a machine this small, of production, where the stores do not share the proxy's cores. The
-default leaves them alone, and the report's figures are taken that way.
-
 With ``--stages`` it also says where the proxy's own time went in the sequential phase, from the analytics rows
 ``ibex dev`` wrote for those requests (read from its ClickHouse once it has stopped): p50, p99 and the largest of
 each gate, of the upstream call and of the rest (the request's time less those), server side.
@@ -34,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -51,7 +45,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.cpu import cpu_ms_per_call, processes, tree_ticks
+from bench.cpu import cpu_ms_per_call, tree_ticks
 from bench.durability import production_durability
 from bench.figures import Figures, latency
 from tests.support.upstream import API_KEY
@@ -96,18 +90,6 @@ BODY = {
     "messages": [{"role": "user", "content": "How fast is this gateway?"}],
     "max_tokens": 16,
 }
-
-
-def renice_stores(nice: int) -> int:
-    """Set every thread of every store process (by command name, :data:`STORES`) to ``nice``; how many."""
-    count = 0
-    for pid, ticks in processes():
-        if ticks.name in STORES:
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                with contextlib.suppress(OSError):  # a thread or backend that just ended
-                    os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
-                    count += 1
-    return count
 
 
 def stage_tails(engine: Path, skip: int, n: int) -> dict[str, dict[str, float]]:
@@ -309,7 +291,6 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
     parser.add_argument("--stages", action="store_true", help="where the proxy's time went, from its analytics rows")
     parser.add_argument("--bare", action="store_true", help="also measure a bare pass-through (bench/passthrough.py)")
-    parser.add_argument("--stores-nice", type=int, default=0, help="run the embedded stores at this nice value")
     parser.add_argument(
         "--workers", type=lambda v: [int(n) for n in v.split(",")], default=[],
         help="also measure `ibex proxy --workers N` for each N of this comma-separated list",
@@ -341,8 +322,6 @@ def main() -> None:
         litellm_proc = bare_proc = None
         worker_procs: list[subprocess.Popen[str]] = []
         try:
-            if args.stores_nice:
-                print(f"stores at nice {args.stores_nice}: {renice_stores(args.stores_nice)} threads")
             admin_dsn = json.loads((root / "data" / "runtime.json").read_text())["postgres_admin_dsn"]
             durability = asyncio.run(production_durability(admin_dsn))
             token = json.loads((root / "keys.json").read_text())["bench/bench-key"]
@@ -405,7 +384,6 @@ def main() -> None:
         print(f"added p50, ibex / litellm: {ours / theirs:.2f}; throughput ratio ibex / litellm: "
               f"{result['ibex'][1] / result['litellm'][1]:.1f}")  # fmt: skip
     figures.put("durability", durability)
-    figures.put("stores_nice", args.stores_nice)
     figures.put("method", f"{args.requests} sequential requests per target in {args.rounds} interleaved rounds; "
                 f"added = the target's quantile minus the direct upstream's quantile of the same run; throughput: "
                 f"{args.throughput_requests} requests at concurrency {args.concurrency}")  # fmt: skip
