@@ -45,6 +45,17 @@ async def admit(limiter: RateLimiter, org: uuid.UUID, agent: uuid.UUID, limits: 
     return [await limiter.admit(org, agent, limits, tokens) for _ in range(n)]
 
 
+async def steadily(limiter: RateLimiter, org: uuid.UUID, agent: uuid.UUID, limits: RateLimits, n: int
+                   ) -> list[RateDecision]:  # fmt: skip
+    """``n`` requests of 10 tokens one after another, each followed by the time between two requests, in which a
+    background top-up's reply comes back."""
+    decisions = []
+    for _ in range(n):
+        decisions.append(await limiter.admit(org, agent, limits, 10))
+        await limiter.drain()
+    return decisions
+
+
 async def test_a_busy_agent_is_admitted_from_a_grant_and_the_rest_goes_back_at_close(
     redis: aioredis.Redis, clock: HandClock
 ) -> None:
@@ -98,10 +109,7 @@ async def test_a_steady_stream_tops_its_grant_up_in_the_background_and_stays_exa
     calls = ScriptCalls(limiter)
     me = asyncio.current_task()
     assert me is not None
-    decisions = []
-    for _ in range(40):
-        decisions.append(await limiter.admit(org, agent, ROOMY, 10))
-        await limiter.drain()  # the time between two requests, in which a top-up's reply comes back
+    decisions = await steadily(limiter, org, agent, ROOMY, 40)
     assert all(d.allowed for d in decisions)
     assert [d.remaining for d in decisions] == list(range(999, 959, -1))  # one process: the exact count
     # The first request alone, the second with the first grant; every later grant was counted in the background,
@@ -120,10 +128,7 @@ async def test_near_a_limit_a_top_up_counts_nothing_and_the_limit_stays_exact(
     limiter = granting(redis, clock)
     # The first grant fits (1 counted + 4 x 8 free <= 40); its top-up would not (9 + 32 > 40), so it counts nothing.
     near = RateLimits(agent_rpm=40, agent_tpm=None, org_rpm=None, org_tpm=None)
-    decisions = []
-    for _ in range(45):
-        decisions.append(await limiter.admit(org, agent, near, 10))
-        await limiter.drain()
+    decisions = await steadily(limiter, org, agent, near, 45)
     assert [d.allowed for d in decisions] == [True] * 40 + [False] * 5
     assert [d.remaining for d in decisions[:40]] == list(range(39, -1, -1))
     await limiter.close()
@@ -149,10 +154,7 @@ async def test_a_top_up_that_fails_leaves_the_next_request_to_ask_redis_itself(
     limiter._admit = down_for_top_ups  # type: ignore[assignment]
     me = asyncio.current_task()
     assert me is not None
-    decisions = []
-    for _ in range(12):
-        decisions.append(await limiter.admit(org, agent, ROOMY, 10))
-        await limiter.drain()
+    decisions = await steadily(limiter, org, agent, ROOMY, 12)
     assert all(d.allowed for d in decisions)
     # Requests 1 and 2 asked Redis (the second got a grant of 8), 3-9 drew from it while its top-ups (after 7, 8
     # and 9) failed, and the 10th, finding it spent, asked Redis itself for a new one, from which 11 and 12 drew.
