@@ -14,6 +14,7 @@ import numpy as np
 from aiohttp import ClientSession
 
 from ibex_dataplane.embedding import EmbeddingError, SparseVector
+from ibex_dataplane.embedding.onnx_graph import Precision
 from ibex_dataplane.embedding.splade import shared_encoder
 from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.memory.repository import MemoryRepository, merge_legs
@@ -26,7 +27,7 @@ from ibex_dataplane.store.migrations import default_migrations_dir, migrate_post
 from ibex_dataplane.store.postgres import Database, create_pool
 from tests.integration.test_migrations import fresh_database
 from tests.support.memory import memory_client
-from tests.support.proxy import MemoryDeps, RunningProxy, running_memory_stage
+from tests.support.proxy import MemoryDeps, RunningProxy, RunningStage, running_memory_stage
 from tests.support.tenants import TenantFactory
 
 POSTINGS = "SELECT count(*) FROM memory_sparse_terms WHERE memory_id = $1::uuid"
@@ -173,6 +174,17 @@ class _BrokenSparse:
         raise EmbeddingError("model file is corrupt")
 
 
+async def _post(
+    stage: RunningStage, http: ClientSession, org_id: uuid.UUID, agent: uuid.UUID, path: str, body: dict[str, object]
+) -> tuple[int, dict[str, object]]:
+    """A call straight to the memory stage, signed as the proxy signs it."""
+    principal = Principal(
+        org_id, agent, frozenset({"memory:write", "memory:read"}), "r1", time.time() + 30, http_target("POST", path)
+    )
+    async with http.post(stage.base_url + path, json=body, headers={HEADER: stage.signer.sign(principal)}) as r:
+        return r.status, await r.json()
+
+
 async def test_a_failing_sparse_model_stores_nothing_and_search_says_degraded(
     settings: Settings, stores: Stores, memory_deps: MemoryDeps, tenants: TenantFactory
 ) -> None:
@@ -180,19 +192,32 @@ async def test_a_failing_sparse_model_stores_nothing_and_search_says_degraded(
     agent = t.agents["alpha"]
     stage_cm = running_memory_stage(settings, stores, memory_deps, sparse=_BrokenSparse())
     async with stage_cm as stage, ClientSession() as http:
-
-        async def post(path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
-            principal = Principal(
-                t.org_id, agent, frozenset({"memory:write", "memory:read"}), "r1", time.time() + 30,
-                http_target("POST", path),
-            )  # fmt: skip
-            headers = {HEADER: stage.signer.sign(principal)}
-            async with http.post(stage.base_url + path, json=body, headers=headers) as r:
-                return r.status, await r.json()
-
-        status, body = await post("/v1/memories", {"content": "This will never be encoded."})
+        status, body = await _post(stage, http, t.org_id, agent, "/v1/memories", {"content": "Never encoded."})
         assert status == 503, body
-        status, body = await post("/v1/memories/search", {"query": "anything at all"})
+        status, body = await _post(stage, http, t.org_id, agent, "/v1/memories/search", {"query": "anything"})
         assert status == 503, body
     async with stores.db.tenant(t.org_id, agent, readonly=True) as conn:
         assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+
+
+async def test_the_sparse_precision_setting_decides_the_stored_vector(
+    settings: Settings, stores: Stores, memory_deps: MemoryDeps, tenants: TenantFactory
+) -> None:
+    t = await tenants.create()
+    agent = t.agents["alpha"]
+    other: dict[Precision, Precision] = {"float32": "int8", "int8": "float32"}
+    for precision in other:
+        text = f"Gina opened an online clothing store after losing her job at the bank ({precision})."
+        chosen = settings.model_copy(update={"memory_sparse_precision": precision})
+        async with running_memory_stage(chosen, stores, memory_deps) as stage, ClientSession() as http:
+            status, body = await _post(stage, http, t.org_id, agent, "/v1/memories", {"content": text})
+            assert status == 201, body
+        memory_id = uuid.UUID(str(body["memory"]["id"]))  # type: ignore[index]
+        async with stores.db.tenant(t.org_id, agent, readonly=True) as conn:
+            row = await conn.fetchrow("SELECT sparse_tokens, sparse_weights FROM memories WHERE id = $1", memory_id)
+        (expected,) = await shared_encoder(precision).encode([text])
+        assert row["sparse_tokens"] == expected.tokens.tolist()
+        np.testing.assert_allclose(row["sparse_weights"], expected.weights, rtol=1e-6)
+        (unchosen,) = await shared_encoder(other[precision]).encode([text])  # close, but not the same arithmetic
+        same_terms = row["sparse_tokens"] == unchosen.tokens.tolist()
+        assert not same_terms or not np.allclose(row["sparse_weights"], unchosen.weights, rtol=1e-6)

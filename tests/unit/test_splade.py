@@ -26,23 +26,51 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def encoder() -> Iterator[OnnxSpladeEncoder]:
+    """The default: the vocabulary projection in int8."""
     instance = OnnxSpladeEncoder.from_installed_packages()
     yield instance
     instance.close()
 
 
-def test_the_onnx_graph_matches_a_numpy_forward_pass(encoder: OnnxSpladeEncoder) -> None:
+@pytest.fixture(scope="module")
+def exact() -> Iterator[OnnxSpladeEncoder]:
+    instance = OnnxSpladeEncoder.from_installed_packages(precision="float32")
+    yield instance
+    instance.close()
+
+
+def _reference(texts: list[str]) -> list[np.ndarray]:
     directory = packaged_model_dir()
     weights = bert_reference.tensors(directory / "model.safetensors")
     config = json.loads((directory / "config.json").read_text())
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return [bert_reference.splade(tokenizer.encode(text).ids, weights, config) for text in texts]
+
+
+def test_the_onnx_graph_matches_a_numpy_forward_pass(exact: OnnxSpladeEncoder) -> None:
     # One batch of texts of different lengths: padding must not change any row.
-    got = encoder.activations(TEXTS)
-    assert got.shape == (len(TEXTS), 30522)
-    for row, text in enumerate(TEXTS):
-        expected = bert_reference.splade(tokenizer.encode(text).ids, weights, config)
+    got = exact.activations(TEXTS)
+    assert exact.precision == "float32" and got.shape == (len(TEXTS), 30522)
+    for row, expected in enumerate(_reference(TEXTS)):
         np.testing.assert_allclose(got[row], expected, atol=2e-4, rtol=1e-3)
         assert (expected > 0.5).sum() >= 3  # a real activation, not an all-zero row that matches trivially
+
+
+def test_the_int8_projection_stays_close_to_the_forward_pass(encoder: OnnxSpladeEncoder) -> None:
+    got = encoder.activations(TEXTS)
+    assert encoder.precision == "int8"
+    for row, expected in enumerate(_reference(TEXTS)):
+        cosine = float(got[row] @ expected / np.linalg.norm(got[row]) / np.linalg.norm(expected))
+        assert 0.995 <= cosine < 1 - 1e-7  # close, and not float32 arithmetic under another name
+        kept, reference = set(np.flatnonzero(got[row] >= 0.05)), set(np.flatnonzero(expected >= 0.05))
+        assert len(kept & reference) >= 0.8 * len(kept | reference)
+        strongest = set(np.argsort(-expected)[:10].tolist())
+        assert len(strongest & set(np.argsort(-got[row])[:10].tolist())) >= 8
+
+
+def test_an_unknown_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        OnnxSpladeEncoder.from_installed_packages(precision="fp16")
 
 
 def test_sparse_vectors_keep_the_strongest_tokens_in_token_order(encoder: OnnxSpladeEncoder) -> None:
@@ -56,11 +84,15 @@ def test_sparse_vectors_keep_the_strongest_tokens_in_token_order(encoder: OnnxSp
     assert "family" in {encoder._tokenizer.id_to_token(int(t)) for t in vector.tokens}
 
 
-def test_a_batch_gives_what_one_text_at_a_time_gives(encoder: OnnxSpladeEncoder) -> None:
+@pytest.mark.parametrize("precision", ["int8", "float32"])
+def test_a_batch_gives_what_one_text_at_a_time_gives(
+    precision: str, encoder: OnnxSpladeEncoder, exact: OnnxSpladeEncoder
+) -> None:
+    chosen = encoder if precision == "int8" else exact
     texts = [TEXTS[i % len(TEXTS)] + " " + "more words" * (i % 5) for i in range(37)]  # three model runs
-    together = encoder.encode_sync(texts)
+    together = chosen.encode_sync(texts)
     for text, vector in zip(texts, together, strict=True):
-        (alone,) = encoder.encode_sync([text])
+        (alone,) = chosen.encode_sync([text])
         np.testing.assert_array_equal(alone.tokens, vector.tokens)
         np.testing.assert_allclose(alone.weights, vector.weights, atol=1e-5)
 

@@ -14,9 +14,19 @@ scale per output column, and quantizes its input per token (each row of the acti
 ``round(x / s) + 128`` as uint8) right before an integer ``MatMulInteger``; the int32 result is scaled back to
 float32. Per-token scales keep a token's result independent of the other tokens and texts of its batch (padding
 included), so a text's output does not depend on what it was batched with. Everything else (embeddings, layer
-norms, attention's own products) stays float32. Only standard ONNX operators are used.
+norms, attention's own products) stays float32. Only standard ONNX operators are used there.
 
-Only the handful of protobuf fields onnxruntime needs are written (``onnx.proto`` field numbers, opset 17):
+:func:`splade_model` at ``int8`` keeps the encoder float32 (two small layers) and quantizes only the vocabulary
+projection, which is about nine tenths of its arithmetic: onnxruntime's fused ``DynamicQuantizeMatMul`` (domain
+``com.microsoft``) multiplies uint8 by the same 7-bit int8 weights and writes float32 directly, so the large
+``tokens x vocabulary`` product is not rescaled element by element. That kernel takes one scale for its whole
+input; to keep a text's result independent of its batch anyway, each token's row is first divided by its largest
+magnitude and two constant columns (+1 and -1, with zero weights) pin the input's range to exactly [-1, 1], so the
+kernel's scale and zero point are the same for every batch; each output row is multiplied back by its token's
+magnitude.
+
+Only the handful of protobuf fields onnxruntime needs are written (``onnx.proto`` field numbers, opset 17, and
+version 1 of ``com.microsoft`` when a graph uses it):
 ModelProto{ir_version, opset_import, graph}, GraphProto{node, initializer, input, output}, NodeProto, AttributeProto,
 TensorProto (raw little-endian data) and ValueInfoProto with symbolic dimensions.
 """
@@ -34,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 OPSET: Final = 17  # LayerNormalization exists from 17; ReduceMax still takes its axes as an attribute
+MICROSOFT: Final = "com.microsoft"  # onnxruntime's contrib operators (DynamicQuantizeMatMul), version 1
 IR_VERSION: Final = 8
 _FLOAT: Final = 1  # TensorProto.DataType
 _UINT8: Final = 2
@@ -115,6 +126,7 @@ class _Graph:
     def __init__(self) -> None:
         self.nodes: list[bytes] = []
         self.initializers: list[bytes] = []
+        self.domains: set[str] = set()
         self._count = 0
 
     def const(self, name: str, array: npt.NDArray[Any]) -> str:
@@ -129,11 +141,16 @@ class _Graph:
         self._count += 1
         return self.const(f"i{self._count}", np.asarray(values, dtype=np.int64))
 
-    def op(self, op_type: str, inputs: Sequence[str], output: str | None = None, **attrs: Any) -> str:
+    def op(
+        self, op_type: str, inputs: Sequence[str], output: str | None = None, *, domain: str = "", **attrs: Any
+    ) -> str:
         self._count += 1
         out = output or f"n{self._count}"
         node = b"".join(_str(1, i) for i in inputs) + _str(2, out) + _str(3, out) + _str(4, op_type)
         node += b"".join(_bytes(5, _attribute(k, v)) for k, v in attrs.items())
+        if domain:
+            node += _str(7, domain)
+            self.domains.add(domain)
         self.nodes.append(node)
         return out
 
@@ -143,9 +160,10 @@ class _Graph:
         for tensor in self.initializers:
             graph += [_key(5, 2), _varint(len(tensor)), tensor]
         graph += [_bytes(11, v) for v in inputs] + [_bytes(12, v) for v in outputs]
-        opset = _str(1, "") + _int(2, OPSET)
+        opsets = [_bytes(8, _str(1, "") + _int(2, OPSET))]
+        opsets += [_bytes(8, _str(1, domain) + _int(2, 1)) for domain in sorted(self.domains)]
         head = _int(1, IR_VERSION) + _str(2, "ibex-harness") + _key(7, 2) + _varint(sum(map(len, graph)))
-        return b"".join([head, *graph, _bytes(8, opset)])
+        return b"".join([head, *graph, *opsets])
 
 
 # -- the model -----------------------------------------------------------------------------------------------------
@@ -303,21 +321,43 @@ def encoder_model(weights: Weights, config: Mapping[str, Any], precision: Precis
 def splade_model(weights: Weights, config: Mapping[str, Any], precision: Precision = "float32") -> bytes:
     """ONNX bytes: inputs ``input_ids`` and ``attention_mask`` (int64, batch x tokens), output ``activation``
     (float32, batch x vocabulary) = max over masked tokens of log(1 + relu(MLM logits)) of a ``BertForMaskedLM``
-    checkpoint."""
-    bert = _Bert(weights, config, "bert.", precision)
+    checkpoint. At ``int8`` only the vocabulary projection is quantized (see the module's note)."""
+    bert = _Bert(weights, config, "bert.", "float32")
     g = bert.g
     mask = g.op("Cast", ["attention_mask"], to=_FLOAT)  # batch x tokens, 1 for real tokens
     x = bert.encode(mask)
     t = bert.norm(bert.gelu(bert.linear(x, "cls.predictions.transform.dense")), "cls.predictions.transform.LayerNorm")
+    # log(1 + relu(.)) is monotonic, so the maximum over tokens is taken on the logits first and the activation is
+    # computed on batch x vocabulary only. A padded token's row is replaced by its text's first token ([CLS], a real
+    # one) before the projection: it repeats a row the maximum already sees, so the batch x tokens x vocabulary
+    # tensor needs no mask and is touched once, by the maximum.
+    real = g.op("Unsqueeze", [mask, g.ints([2])])  # batch x tokens x 1
+    first = g.op("Slice", [t, g.ints([0]), g.ints([1]), g.ints([1])])  # batch x 1 x hidden
+    t = g.op("Add", [g.op("Mul", [t, real]), g.op("Mul", [first, g.op("Sub", [g.scalar(1.0), real])])])
     decoder = weights.get("cls.predictions.decoder.weight", weights["bert.embeddings.word_embeddings.weight"])
+    if precision == "float32":
+        logits = bert.matmul(t, decoder.T, "decoder")
+    elif precision == "int8":
+        logits = _dynamic_int8_matmul(g, t, decoder.T, "decoder")
+    else:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
     # The vocabulary bias is the same for every token: it is added after the maximum, on batch x vocabulary.
-    logits = bert.matmul(t, decoder.T, "decoder")
-    # log(1 + relu(.)) is monotonic, so the maximum over tokens is taken on the logits first (padded tokens pushed
-    # far below) and the activation is computed on batch x vocabulary only: the batch x tokens x vocabulary tensor
-    # is touched twice (bias, maximum) instead of five times.
-    padded = g.op("Unsqueeze", [g.op("Mul", [g.op("Sub", [g.scalar(1.0), mask]), g.scalar(-1e9)]), g.ints([2])])
-    best = g.op("ReduceMax", [g.op("Add", [logits, padded])], axes=[1], keepdims=0)
+    best = g.op("ReduceMax", [logits], axes=[1], keepdims=0)
     best = g.op("Add", [best, g.const("decoder.b", weights["cls.predictions.bias"])])
     g.op("Log", [g.op("Add", [g.op("Relu", [best]), g.scalar(1.0)])], "activation")
     vocab = int(decoder.shape[0])
     return g.model("splade", _INPUTS, [_value_info("activation", _FLOAT, ["batch", vocab])])
+
+
+def _dynamic_int8_matmul(g: _Graph, x: str, weight: npt.NDArray[np.float32], name: str) -> str:
+    """``x @ weight`` through onnxruntime's fused ``DynamicQuantizeMatMul``, independent of the batch: each row of
+    ``x`` scaled to a largest magnitude of 1, two constant columns (+1, -1; zero weights) so that every input spans
+    exactly [-1, 1] (one scale and zero point for all batches), and each output row scaled back."""
+    q, column_scale = _quantized(weight)
+    q = np.concatenate([q, np.zeros((2, q.shape[1]), dtype=np.int8)])
+    magnitude = g.op("Max", [g.op("ReduceMax", [g.op("Abs", [x])], axes=[-1], keepdims=1), g.scalar(1e-12)])
+    one = g.op("Div", [magnitude, magnitude])
+    unit = g.op("Concat", [g.op("Div", [x, magnitude]), one, g.op("Neg", [one])], axis=-1)
+    product = g.op("DynamicQuantizeMatMul", [unit, g.const(name + ".q", q), g.const(name + ".s", column_scale)],
+                   domain=MICROSOFT)  # fmt: skip
+    return g.op("Mul", [product, magnitude])

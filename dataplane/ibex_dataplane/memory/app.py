@@ -87,7 +87,7 @@ def create_memory_app(
     if sparse is None:
         from ibex_dataplane.embedding.splade import shared_encoder
 
-        sparse = shared_encoder()
+        sparse = shared_encoder(settings.memory_sparse_precision)
     metrics = MemoryMetrics()
     signer = PrincipalSigner(secret)
     app = web.Application(
