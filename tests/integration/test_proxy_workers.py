@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -133,11 +134,17 @@ async def test_requests_spread_over_both_workers_and_every_worker_shows_the_merg
         for _ in range(40):
             async with http.get(proxy.url + "/healthz") as r:
                 assert r.status == 200
+        # A worker moves what it gathered into the shared files once a second (and before it renders): scrape
+        # until the other worker's share is in, then every scrape must show all of it.
+        deadline = time.monotonic() + 30
+        while (await scrape(http, proxy.url)).get(healthz, 0) - before.get(healthz, 0) < 40:
+            assert time.monotonic() < deadline, "the workers' request counts never reached 40"
         scrapes = [await scrape(http, proxy.url) for _ in range(20)]
     # Each worker finished some of the requests (SO_REUSEPORT spread the connections)...
     served = {pid: value - per_worker(before).get(pid, 0) for pid, value in per_worker(scrapes[0]).items()}
     assert set(served) == pids
     assert all(n > 0 for n in served.values()), served
+    assert sum(served.values()) >= 40  # the scrapes since are counted too
     # ...and every scrape, whichever worker answered it, counts all 40 of them.
     # (A worker rendering only its own values would show fewer: each served fewer than 40.)
     assert {s.get(healthz, 0) - before.get(healthz, 0) for s in scrapes} == {40}

@@ -162,7 +162,7 @@ class Accounting:
 
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:
-            self._metrics.budget_holds.labels(outcome).inc()
+            self._metrics.gathered_counter(self._metrics.budget_holds, outcome).inc()
 
     def release(self, plan: GenerationPlan) -> None:
         """Nothing was served: let go of the budget hold."""

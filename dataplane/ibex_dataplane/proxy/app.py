@@ -149,7 +149,9 @@ def create_app(
     repo = ProxyRepository(stores.db)
 
     def lookups(cache: str) -> Any:
-        tiers = {tier: metrics.cache_lookups.labels(cache, tier) for tier in ("local", "redis", "load")}
+        tiers = {
+            tier: metrics.gathered_counter(metrics.cache_lookups, cache, tier) for tier in ("local", "redis", "load")
+        }
         return lambda tier: tiers[tier].inc()
 
     key_cache: TieredCache[Any] = TieredCache(
@@ -292,6 +294,7 @@ def create_app(
     app.cleanup_ctx.append(providers_ctx)
     app[HEAP] = metrics.heap
     app.cleanup_ctx.append(metrics.heap.watching)
+    app.cleanup_ctx.append(metrics.flushing)
 
     routes = ProtectedRoutes(
         keyed=GatePipeline(keyed, metrics), bound=GatePipeline(bound, metrics), catalog=catalog, sessions=sessions,

@@ -90,18 +90,22 @@ Gate = Callable[[GateState], Awaitable[None]]
 
 class GatePipeline:
     def __init__(self, gates: Sequence[tuple[str, Gate]], metrics: ProxyMetrics) -> None:
-        self._gates = list(gates)
         self._metrics = metrics
-        self._timers = {name: metrics.gate_seconds.labels(name) for name, _ in self._gates}
-        self._passed = {name: metrics.gate_outcomes.labels(name, "pass") for name, _ in self._gates}
+        self._gates = [
+            (name, gate, metrics.gathered_histogram(metrics.gate_seconds, name),
+             metrics.gathered_counter(metrics.gate_outcomes, name, "pass"))
+            for name, gate in gates
+        ]  # fmt: skip
 
     @property
     def names(self) -> list[str]:
-        return [name for name, _ in self._gates]
+        return [name for name, *_ in self._gates]
 
     async def run(self, state: GateState) -> None:
-        for name, gate in self._gates:
-            started = time.perf_counter()
+        timings = state.timings
+        clock = time.perf_counter
+        for name, gate, timer, passed in self._gates:
+            started = clock()
             try:
                 await gate(state)
             except ApiError as e:
@@ -116,10 +120,10 @@ class GatePipeline:
                     headers={"Retry-After": "1"},
                 ) from e
             finally:
-                elapsed = time.perf_counter() - started
-                self._timers[name].observe(elapsed)
-                state.timings[name] = elapsed * 1000
-            self._passed[name].inc()
+                elapsed = clock() - started
+                timer.observe(elapsed)
+                timings[name] = elapsed * 1000
+            passed.inc()
 
 
 # -- shared gates ----------------------------------------------------------------------------------------------

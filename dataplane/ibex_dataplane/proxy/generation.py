@@ -228,6 +228,9 @@ def memory_allowance(agent: AgentPolicy) -> int:
 def budget_hold(
     budgets: BudgetService, catalog: ModelCatalog, directives: DirectiveService, metrics: ProxyMetrics | None = None
 ) -> Any:
+    drawn = metrics.gathered_counter(metrics.budget_holds, "drawn") if metrics is not None else None
+    placed = metrics.gathered_counter(metrics.budget_holds, "placed") if metrics is not None else None
+
     async def gate(state: GateState) -> None:
         plan = _plan(state)
         caller = state.require_caller()
@@ -255,8 +258,8 @@ def budget_hold(
             if metrics is not None:
                 metrics.budget_holds.labels("refused").inc()
             raise ApiError(402, "BUDGET_EXCEEDED", f"the {e.scope} budget for this month is exhausted") from e
-        if metrics is not None:
-            metrics.budget_holds.labels("drawn" if plan.hold.lease else "placed").inc()
+        if drawn is not None and placed is not None:
+            (drawn if plan.hold.lease else placed).inc()
 
     return gate
 
@@ -397,8 +400,9 @@ class GenerationHandler:
         """A provider call that answered: who served it, how long it took, counted."""
         plan.provider = provider
         plan.upstream_ms = (time.perf_counter() - started) * 1000
-        self._s.metrics.provider_calls.labels(provider, "ok").inc()
-        self._s.metrics.provider_seconds.labels(provider).observe(plan.upstream_ms / 1000)
+        metrics = self._s.metrics
+        metrics.gathered_counter(metrics.provider_calls, provider, "ok").inc()
+        metrics.gathered_histogram(metrics.provider_seconds, provider).observe(plan.upstream_ms / 1000)
 
     async def _embed(self, state: GateState, plan: GenerationPlan) -> web.StreamResponse:
         request = EmbeddingRequest(

@@ -98,7 +98,7 @@ async def relay(
         accounting.after(state, plan, served(), served_by)
         raise
     plan.upstream_ms = (time.perf_counter() - started) * 1000
-    metrics.provider_calls.labels(plan.provider or plan.model.provider, "ok").inc()
+    metrics.gathered_counter(metrics.provider_calls, plan.provider or plan.model.provider, "ok").inc()
     answer = None if upstream_failed else streamed_answer_text(forwarded)
     accounting.after(state, plan, served(), served_by, digest.hexdigest(), answer)
     assert response is not None
