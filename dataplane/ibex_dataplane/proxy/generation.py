@@ -55,6 +55,9 @@ DEFAULT_DEADLINE = 120.0
 # unit test checks the context stage's formatter overhead stays within it for every tokenizer family.
 MEMORY_FRAMING_ALLOWANCE = 512
 
+_DIRECTED = "directed"
+"""``state.extra`` key: the directive the budget gate found and the messages with it injected (None: no directive)."""
+
 
 @dataclass
 class GenerationServices:
@@ -242,8 +245,11 @@ def budget_hold(
         if directive is not None:
             tools = plan.body.get("tools")
             sent = inject_directive(plan.body["messages"], directive)
+            state.extra[_DIRECTED] = (directive, sent)  # the next gate sends these: no second lookup
             prompt = max(prompt, estimate_chat_tokens(sent, plan.model.tokenizer_family,
                                                       tools if isinstance(tools, list) else None).tokens)  # fmt: skip
+        elif plan.model.kind is ModelKind.CHAT:
+            state.extra[_DIRECTED] = None
         if plan.model.kind is ModelKind.CHAT:
             prompt += memory_allowance(agent)
         amount = catalog.worst_case_cost(plan.model, prompt, plan.max_output)
@@ -272,12 +278,16 @@ def directive_and_session(directives: DirectiveService) -> Any:
         plan.session_id = session_id_of(state.request)
         plan.observed_at = observed_at_of(state.request)
         state.response_headers["X-IBEX-Session-ID"] = plan.session_id
-        directive = await directives.active(caller.org_id, agent.id)
         plan.client_messages = plan.body["messages"]
-        if directive is not None:
-            plan.directive, plan.directive_version = directive, directive.version
+        if _DIRECTED in state.extra:  # the budget gate read it, and injected it into these same messages
+            directed = state.extra[_DIRECTED]
+        else:
+            directive = await directives.active(caller.org_id, agent.id)
+            directed = None if directive is None else (directive, inject_directive(plan.body["messages"], directive))
+        if directed is not None:
+            plan.directive, plan.directive_version = directed[0], directed[0].version
             # Also the fallback when context assembly degrades: directive-only context.
-            plan.body["messages"] = inject_directive(plan.body["messages"], directive)
+            plan.body["messages"] = directed[1]
 
     return gate
 

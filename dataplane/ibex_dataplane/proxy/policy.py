@@ -7,6 +7,7 @@ with 503 upstream of here; this module only models and loads it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from typing import Any
@@ -104,4 +105,10 @@ class PolicyService:
             org, agents = await self._repo.org_and_agents(org_id)
             return PolicySnapshot.from_rows(org, list(agents)) if org else None
 
-        return await self._cache.get(TenantKeys(org_id).policy(), load)
+        return await self._cache.get(_policy_key(org_id), load)
+
+
+@functools.lru_cache(maxsize=16384)
+def _policy_key(org_id: UUID) -> str:
+    """The cache key of an org's policy snapshot, built once per org."""
+    return TenantKeys(org_id).policy()

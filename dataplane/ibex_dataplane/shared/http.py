@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-import uuid
+import secrets
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -29,7 +29,7 @@ _KEPT_HEADERS = ("allow", "retry-after")
 
 
 def server_request_id_of(request: web.Request) -> str:
-    rid: str = request.get(SERVER_REQUEST_ID) or f"req_{uuid.uuid4().hex}"
+    rid: str = request.get(SERVER_REQUEST_ID) or f"req_{secrets.token_hex(16)}"
     return rid
 
 
@@ -41,7 +41,7 @@ def request_id_of(request: web.Request) -> str:
 @web.middleware
 async def envelope_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     supplied = request.headers.get("X-Request-ID", "")
-    server_rid = f"req_{uuid.uuid4().hex}"
+    server_rid = f"req_{secrets.token_hex(16)}"
     rid = supplied if _CLIENT_REQUEST_ID.fullmatch(supplied) else server_rid
     request[REQUEST_ID] = rid
     request[SERVER_REQUEST_ID] = server_rid
