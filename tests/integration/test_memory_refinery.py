@@ -48,7 +48,8 @@ async def test_low_confidence_pii_quarantines_without_echo_and_without_embedding
         assert reply.status == 202, reply.body
         memory = reply.body["memory"]
         assert memory["status"] == "quarantined"
-        assert "content" not in memory and "415" not in reply.raw.decode()
+        # No part of the number comes back (a bare "415" can occur inside a random id).
+        assert "content" not in memory and "415-555" not in reply.raw.decode() and "555-0132" not in reply.raw.decode()
         assert (await client.get(memory["id"])).status == 404
         assert (await client.list()).body["data"] == []
         assert (await client.search("vendor")).body["results"] == []
