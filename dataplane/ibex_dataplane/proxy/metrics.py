@@ -172,13 +172,12 @@ class ProxyMetrics:
         assert isinstance(found, GatheredHistogram)
         return found
 
-    def gathered_counter(self, counter: Counter | Gauge, *labels: str) -> GatheredCounter:
-        """The gathered child of ``counter`` for ``labels`` (one per label set; a metric without labels is its own
-        child; a gauge is only ever increased)."""
+    def gathered_counter(self, counter: Counter, *labels: str) -> GatheredCounter:
+        """The gathered child of ``counter`` for ``labels`` (one per label set)."""
         key = (counter, labels)
         found = self._gathered.get(key)
         if found is None:
-            found = self._gathered[key] = GatheredCounter(counter.labels(*labels) if labels else counter)
+            found = self._gathered[key] = GatheredCounter(counter.labels(*labels))
         assert isinstance(found, GatheredCounter)
         return found
 
@@ -219,7 +218,6 @@ def timing_middleware(metrics: ProxyMetrics) -> Middleware:
     """Observe ``ibex_proxy_request_duration_seconds`` for every request (outermost: it sees the final status)."""
 
     timers: dict[tuple[str, int], GatheredHistogram] = {}
-    finished = metrics.gathered_counter(metrics.worker_requests) if metrics.worker_requests is not None else None
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -241,7 +239,7 @@ def timing_middleware(metrics: ProxyMetrics) -> Middleware:
                     metrics.request_seconds, route, str(status)
                 )
             timer.observe(time.perf_counter() - started)
-            if finished is not None:
-                finished.inc()
+            if metrics.worker_requests is not None:  # not gathered: each worker's count is current in every scrape
+                metrics.worker_requests.inc()
 
     return middleware
