@@ -25,7 +25,7 @@ import time
 from bisect import bisect_left
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -86,6 +86,9 @@ class GatheredCounter:
         if self._count:
             count, self._count = self._count, 0
             self._child.inc(count)
+
+
+_G = TypeVar("_G", GatheredHistogram, GatheredCounter)
 
 
 class ProxyMetrics:
@@ -165,20 +168,17 @@ class ProxyMetrics:
 
     def gathered_histogram(self, histogram: Histogram, *labels: str) -> GatheredHistogram:
         """The gathered child of ``histogram`` for ``labels`` (one per label set: ask once, keep it)."""
-        key = (histogram, labels)
-        found = self._gathered.get(key)
-        if found is None:
-            found = self._gathered[key] = GatheredHistogram(histogram.labels(*labels))
-        assert isinstance(found, GatheredHistogram)
-        return found
+        return self._gathered_child(GatheredHistogram, histogram, labels)
 
     def gathered_counter(self, counter: Counter, *labels: str) -> GatheredCounter:
         """The gathered child of ``counter`` for ``labels`` (one per label set)."""
-        key = (counter, labels)
-        found = self._gathered.get(key)
+        return self._gathered_child(GatheredCounter, counter, labels)
+
+    def _gathered_child(self, kind: type[_G], metric: Histogram | Counter, labels: tuple[str, ...]) -> _G:
+        found = self._gathered.get((metric, labels))
         if found is None:
-            found = self._gathered[key] = GatheredCounter(counter.labels(*labels))
-        assert isinstance(found, GatheredCounter)
+            found = self._gathered[(metric, labels)] = kind(metric.labels(*labels))
+        assert isinstance(found, kind)
         return found
 
     def flush(self) -> None:
