@@ -67,6 +67,15 @@ class Settings(BaseSettings):
             " many of their worst cases, with no Postgres round trip each; 0 turns leases off (a hold per request)."
         ),
     )
+    budget_lease_max_requests: int = Field(
+        default=512,
+        ge=1,
+        le=100000,
+        description=(
+            "The most worst cases one budget lease covers: a busy agent's lease covers what it drew in the last half"
+            " second, between IBEX_BUDGET_LEASE_REQUESTS and this (docs/budget-leases.md)."
+        ),
+    )
     budget_lease_seconds: float = Field(
         default=5.0, gt=0, le=60, description="Budget leases are drawn from for at most this long, then go back."
     )

@@ -74,7 +74,7 @@ def test_an_agent_is_busy_after_a_second_hold_within_the_window_unless_a_lease_w
     assert book.seen(KEY) is False
     tick.now = 4.9
     assert book.seen(KEY) is True
-    book.refused(KEY)
+    book.refused(KEY, 10)
     tick.now = 6.0
     assert book.seen(KEY) is False  # refused 1.1 s ago
     tick.now = 10.0
@@ -93,12 +93,76 @@ def test_low_means_under_a_quarter_left_and_no_next_lease_yet() -> None:
     assert not book.low(lease)  # the next one is there already
 
 
+def paced_book(tick: HandClock) -> LeaseBook:
+    return LeaseBook(LeaseSettings(10, seconds=5, most=40, pace_seconds=0.5), tick)
+
+
+def drain_at(book: LeaseBook, tick: HandClock, lease: Lease, step: float) -> None:
+    """Draw ``lease`` below a quarter, one request every ``step`` seconds."""
+    while not book.low(lease):
+        tick.now += step
+        assert book.draw(KEY, "p", D("0.10"))[0] is lease
+
+
+def test_a_busy_agents_next_lease_covers_half_a_second_of_its_pace_within_the_bounds() -> None:
+    tick = HandClock()
+    book = paced_book(tick)
+    assert book.requests_for(KEY) == 10  # nothing known of the agent yet
+    first = Lease(uuid4(), KEY, "p", D("1.00"), tick())
+    book.add(first)
+    drain_at(book, tick, first, 0.02)  # 8 draws in 0.16 s: 50 per second, 25 in half a second
+    assert book.requests_for(KEY) == 25
+    second = Lease(uuid4(), KEY, "p", D("2.50"), tick())
+    book.add(second)
+    assert [book.draw(KEY, "p", D("0.10"))[0] for _ in range(3)] == [first, first, second]
+    drain_at(book, tick, second, 0.0001)  # thousands per second: the most, 40
+    assert book.requests_for(KEY) == 40
+
+
+def test_a_quiet_agents_leases_stay_at_the_least_and_a_lease_that_goes_back_slowly_shrinks_the_next() -> None:
+    tick = HandClock()
+    book = paced_book(tick)
+    slow = Lease(uuid4(), KEY, "p", D("1.00"), tick())
+    book.add(slow)
+    drain_at(book, tick, slow, 0.5)  # 2 per second
+    assert book.requests_for(KEY) == 10
+    fast = Lease(uuid4(), KEY, "p", D("1.00"), tick())
+    book.add(fast)
+    assert [book.draw(KEY, "p", D("0.10"))[0] for _ in range(2)] == [slow, slow]
+    drain_at(book, tick, fast, 0.0001)
+    assert book.requests_for(KEY) == 40
+    last = Lease(uuid4(), KEY, "p", D("4.00"), tick())
+    book.add(last)
+    assert [book.draw(KEY, "p", D("0.10"))[0] for _ in range(5)] == [fast, fast, last, last, last]
+    tick.now += 5.0  # then the agent went quiet: its lease ages, and goes back with three draws in five seconds
+    assert book.draw(KEY, "p", D("0.10"))[0] is None and last.retired
+    assert [book.done(last.id) for _ in range(3)] == [None, None, last]
+    assert book.requests_for(KEY) == 10
+
+
+def test_a_refused_large_lease_makes_the_next_ones_small_and_a_refused_small_one_stops_leasing() -> None:
+    tick = HandClock()
+    book = paced_book(tick)
+    lease = Lease(uuid4(), KEY, "p", D("1.00"), tick())
+    book.add(lease)
+    drain_at(book, tick, lease, 0.0001)
+    assert book.requests_for(KEY) == 40
+    book.refused(KEY, 40)
+    assert book.requests_for(KEY) == 10 and book.low(lease)  # the agent still leases, smaller
+    tick.now += 5.0
+    assert book.requests_for(KEY) == 40  # the refusal is forgotten after the lease seconds
+    book.refused(KEY, 10)
+    assert not book.low(lease) and not book.seen(KEY)  # no next lease, in the background or not
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
         ({"requests": 0}, "one request"),
         ({"requests": 5, "seconds": 0}, "seconds"),
         ({"requests": 5, "reserve": -1}, "reserve"),
+        ({"requests": 5, "most": 4}, "most requests"),
+        ({"requests": 5, "pace_seconds": -1}, "pace"),
     ],
 )
 def test_settings_are_checked(kw: dict[str, float], match: str) -> None:

@@ -106,6 +106,15 @@ def _on_invalidation(keys: TieredCache[Any], policies: TieredCache[Any], directi
     return handle
 
 
+def lease_settings(settings: Settings) -> LeaseSettings | None:
+    """How the proxy's budget service leases (docs/budget-leases.md); None: a hold per request. A maximum below
+    ``IBEX_BUDGET_LEASE_REQUESTS`` is that number: leases then keep one size."""
+    if not settings.budget_lease_requests:
+        return None
+    least = settings.budget_lease_requests
+    return LeaseSettings(least, settings.budget_lease_seconds, most=max(least, settings.budget_lease_max_requests))
+
+
 def create_app(
     settings: Settings,
     stores: Stores,
@@ -174,12 +183,7 @@ def create_app(
         [key_cache, policy_cache, directive_cache],
     )
     background = BackgroundTasks(metrics)
-    leases = (
-        LeaseSettings(settings.budget_lease_requests, settings.budget_lease_seconds)
-        if settings.budget_lease_requests
-        else None
-    )
-    budgets = BudgetService(stores.db, leases=leases)
+    budgets = BudgetService(stores.db, leases=lease_settings(settings))
     grants = (
         GrantSettings(settings.rate_grant_requests, settings.rate_grant_seconds)
         if settings.rate_grant_requests > 1

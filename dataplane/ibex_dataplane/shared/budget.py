@@ -287,7 +287,8 @@ class BudgetService:
         book = self._leases
         assert book is not None
         org_id, agent_id, period = key
-        size = min(amount * book.settings.requests, _MAX_USD)
+        requests = book.requests_for(key)
+        size = min(amount * requests, _MAX_USD)
         lease_id = uuid4()
         try:
             held = await self._repo.place_lease(
@@ -301,7 +302,7 @@ class BudgetService:
         finally:
             del self._placing[key]
         if not held:
-            book.refused(key)
+            book.refused(key, requests)
             return
         lease = Lease(lease_id, key, policy, size, book.now())
         book.add(lease)

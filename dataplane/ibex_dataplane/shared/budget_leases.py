@@ -8,6 +8,7 @@ placed under, while younger than ``seconds``; a draw never takes more than the l
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -20,17 +21,27 @@ LeaseKey = tuple[UUID, UUID, date]  # org, agent, budget period
 
 @dataclass(frozen=True)
 class LeaseSettings:
-    """How this process leases. ``requests``: a lease covers that many times the worst case of the request that
-    asks for it. ``seconds``: no draws from a lease older than this, and no leases for an agent that long after a
-    lease was refused. ``reserve``: multiples of a lease that every limited scope must keep free beside it."""
+    """How this process leases. ``requests``: a lease covers at least that many times the worst case of the request
+    that asks for it. ``most``: and at most that many; between the two, an agent's lease covers what it drew in the
+    last ``pace_seconds`` at its pace (0: ``requests``, always). ``seconds``: no draws from a lease older than this,
+    and no leases for an agent that long after a lease of ``requests`` was refused. ``reserve``: multiples of a
+    lease that every limited scope must keep free beside it."""
 
     requests: int
     seconds: float = 5.0
     reserve: int = 3
+    most: int = 0  # 0: ``requests``
+    pace_seconds: float = 0.5
 
     def __post_init__(self) -> None:
         if self.requests < 1:
             raise ValueError("a lease must cover at least one request")
+        if self.most == 0:
+            object.__setattr__(self, "most", self.requests)
+        if self.most < self.requests:
+            raise ValueError("the most requests a lease covers must not be fewer than its requests")
+        if self.pace_seconds < 0:
+            raise ValueError("the lease pace seconds must not be negative")
         if self.seconds <= 0:
             raise ValueError("lease seconds must be positive")
         if self.reserve < 0:
@@ -48,6 +59,7 @@ class Lease:
     placed_at: float
     balance: Decimal = field(init=False)
     outstanding: int = 0  # draws whose settle or release has not been reported
+    draws: int = 0  # how many requests drew from it: its agent's pace
     retired: bool = False  # drawn from no more
     returned: bool = False  # its remainder is on its way back (or back)
 
@@ -65,6 +77,8 @@ class LeaseBook:
         self._by_id: dict[UUID, Lease] = {}
         self._seen: dict[LeaseKey, float] = {}  # when the agent last asked for a hold
         self._refused: dict[LeaseKey, float] = {}  # when a lease for it was last refused
+        self._shrunk: dict[LeaseKey, float] = {}  # when a lease larger than ``requests`` was last refused for it
+        self._pace: dict[LeaseKey, float] = {}  # draws per second of its last lease that ran low or went back
 
     def draw(self, key: LeaseKey, policy: Hashable, amount: Decimal) -> tuple[Lease | None, list[Lease]]:
         """Take ``amount`` from a live lease of ``key`` placed under ``policy`` (None when none has enough), and
@@ -81,6 +95,7 @@ class LeaseBook:
             elif drawn is None and lease.balance >= amount:
                 lease.balance -= amount
                 lease.outstanding += 1
+                lease.draws += 1
                 drawn = lease
                 if lease.balance < amount:  # spent for requests like this one: it goes back after its last draw
                     lease.retired = True
@@ -95,24 +110,50 @@ class LeaseBook:
         now = self._clock()
         last = self._seen.get(key)
         self._seen[key] = now
-        refused = self._refused.get(key)
-        if refused is not None and now - refused < self.settings.seconds:
+        if self._refusing(key):
             return False
         return last is not None and now - last < self.settings.seconds
 
     def low(self, lease: Lease) -> bool:
         """True when ``lease`` has less than a quarter left and is its agent's last live lease: time to place the
-        next one (once: the next one is live as soon as it is placed)."""
+        next one (once: the next one is live as soon as it is placed; not while leases are refused the agent)."""
         if lease.balance * 4 >= lease.amount:
             return False
-        return not any(other is not lease and not other.retired for other in self._leases.get(lease.key, ()))
+        if any(other is not lease and not other.retired for other in self._leases.get(lease.key, ())):
+            return False
+        if self._refusing(lease.key):
+            return False
+        self._note_pace(lease)
+        return True
 
     def add(self, lease: Lease) -> None:
         self._leases.setdefault(lease.key, []).append(lease)
         self._by_id[lease.id] = lease
 
-    def refused(self, key: LeaseKey) -> None:
-        self._refused[key] = self._clock()
+    def requests_for(self, key: LeaseKey) -> int:
+        """How many worst cases the next lease of ``key`` covers: what the agent drew in ``pace_seconds`` at the pace
+        of its last lease, within ``requests`` and ``most``. A busy agent places fewer, larger leases (each is a
+        round trip and a commit); a quiet one keeps small ones, which hold little of a budget."""
+        settings = self.settings
+        pace = self._pace.get(key)
+        shrunk = self._shrunk.get(key)
+        if pace is None or (shrunk is not None and self._clock() - shrunk < settings.seconds):
+            return settings.requests
+        return max(settings.requests, min(settings.most, math.ceil(pace * settings.pace_seconds)))
+
+    def refused(self, key: LeaseKey, requests: int) -> None:
+        """A lease of ``requests`` for ``key`` was refused. After a larger one than the settings' ``requests``, the
+        agent's leases cover just those for ``seconds``; after one of that size, it takes none for ``seconds``."""
+        marks = self._shrunk if requests > self.settings.requests else self._refused
+        marks[key] = self._clock()
+
+    def _refusing(self, key: LeaseKey) -> bool:
+        refused = self._refused.get(key)
+        return refused is not None and self._clock() - refused < self.settings.seconds
+
+    def _note_pace(self, lease: Lease) -> None:
+        if lease.draws:
+            self._pace[lease.key] = lease.draws / max(self._clock() - lease.placed_at, 1e-3)
 
     def lease(self, lease_id: UUID) -> Lease | None:
         return self._by_id.get(lease_id)
@@ -146,6 +187,7 @@ class LeaseBook:
         if not lease.retired or lease.outstanding or lease.returned:
             return None
         lease.returned = True
+        self._note_pace(lease)
         del self._by_id[lease.id]
         leases = self._leases[lease.key]
         leases.remove(lease)
@@ -158,9 +200,11 @@ class LeaseBook:
         """Drop what is remembered about agents that have been idle for a while, so the book stays small."""
         now = self._clock()
         horizon = 2 * self.settings.seconds
-        for marks in (self._seen, self._refused):
+        for marks in (self._seen, self._refused, self._shrunk):
             for key in [k for k, t in marks.items() if now - t >= horizon and k not in self._leases]:
                 del marks[key]
+        for key in [k for k in self._pace if k not in self._seen and k not in self._leases]:
+            del self._pace[key]
 
     @property
     def open(self) -> int:

@@ -1,0 +1,28 @@
+"""The budget lease settings reach the proxy's budget service (docs/budget-leases.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ibex_dataplane.proxy.app import lease_settings
+from ibex_dataplane.settings import Settings
+
+
+def test_the_defaults_lease_between_32_and_512_requests_for_five_seconds() -> None:
+    leases = lease_settings(Settings())
+    assert leases is not None
+    assert (leases.requests, leases.most, leases.seconds, leases.pace_seconds) == (32, 512, 5.0, 0.5)
+
+
+def test_the_environment_sets_the_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IBEX_BUDGET_LEASE_REQUESTS", "8")
+    monkeypatch.setenv("IBEX_BUDGET_LEASE_MAX_REQUESTS", "100")
+    monkeypatch.setenv("IBEX_BUDGET_LEASE_SECONDS", "2")
+    leases = lease_settings(Settings())
+    assert leases is not None and (leases.requests, leases.most, leases.seconds) == (8, 100, 2.0)
+
+
+def test_a_maximum_below_the_least_keeps_leases_at_one_size_and_zero_turns_them_off() -> None:
+    leases = lease_settings(Settings(budget_lease_requests=64, budget_lease_max_requests=16))
+    assert leases is not None and (leases.requests, leases.most) == (64, 64)
+    assert lease_settings(Settings(budget_lease_requests=0)) is None
