@@ -116,7 +116,7 @@ class LeaseBook:
 
     def low(self, lease: Lease) -> bool:
         """True when ``lease`` has less than a quarter left and is its agent's last live lease: time to place the
-        next one (once: the next one is live as soon as it is placed; not while leases are refused the agent)."""
+        next one (once: the next one is live as soon as it is placed; never while the agent is refused leases)."""
         if lease.balance * 4 >= lease.amount:
             return False
         if any(other is not lease and not other.retired for other in self._leases.get(lease.key, ())):
