@@ -20,6 +20,13 @@ With ``--stages`` it also says where the proxy's own time went in the sequential
 ``ibex dev`` wrote for those requests (read from its ClickHouse once it has stopped): p50, p99 and the largest of
 each gate, of the upstream call and of the rest (the request's time less those), server side.
 
+With ``--stream-requests N`` (default 1000; 0 leaves it out) it also measures streamed answers of
+``--stream-events`` content events each (32 by default, then the finish event and ``[DONE]``), sequentially in
+the same interleaved rounds, on every target but ``bare`` (which buffers): the time to the first event and to the
+end of the stream, each target's quantile minus the direct upstream's, and what each relayed event adds (the added
+time to the end less the added time to the first event, over the events after the first). Every streamed answer
+must be a 200 event stream whose content adds up to what the upstream sent and which ends with ``[DONE]``.
+
 With ``--litellm PATH/TO/litellm`` it also measures LiteLLM's proxy side by side (master key only, no database,
 one worker, the same upstream). LiteLLM is not a dependency of this project; install it in a scratch virtualenv:
 ``python3 -m venv "$LITELLM_VENV" && "$LITELLM_VENV/bin/pip" install 'litellm[proxy]'`` (any scratch folder).
@@ -174,6 +181,44 @@ async def throughput(
 
 WARM_UP = 300
 """Requests each target serves before anything is measured."""
+STREAM_BODY = {**BODY, "stream": True}
+STREAM_PIECE = "tok "
+
+
+def streamed_content(raw: bytes) -> str | None:
+    """The content an OpenAI event stream adds up to, or None when it does not end with ``data: [DONE]``."""
+    parts = []
+    data = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    if not data or data[-1] != "[DONE]":
+        return None
+    for payload in data[:-1]:
+        for choice in json.loads(payload).get("choices") or []:
+            parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+async def timed_stream(
+    http: aiohttp.ClientSession, url: str, headers: dict[str, str], n: int, expected: str
+) -> list[tuple[float, float]]:
+    """``n`` streamed answers one after another: (ms to the first event, ms to the end of the stream) of each."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        first = 0.0
+        chunks: list[bytes] = []
+        async with http.post(url, json=STREAM_BODY, headers=headers) as r:
+            if r.status != 200 or r.content_type != "text/event-stream":
+                raise SystemExit(f"unexpected {r.status} {r.content_type} from {url}: {await r.text()}")
+            async for data in r.content.iter_any():
+                if not chunks:
+                    first = time.perf_counter()
+                chunks.append(data)
+        end = time.perf_counter()
+        content = streamed_content(b"".join(chunks))
+        if content != expected:
+            raise SystemExit(f"a stream from {url} added up to {content!r}, not the {len(expected)} characters sent")
+        out.append(((first - t0) * 1000, (end - t0) * 1000))
+    return out
 
 
 def q(values: list[float], p: float) -> float:
@@ -182,12 +227,14 @@ def q(values: list[float], p: float) -> float:
 
 async def measure(
     targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace, pids: dict[str, int]
-) -> dict[str, Any]:
-    """Latency (interleaved rounds, sequential) and throughput (concurrent) of each target: name -> (url, headers),
-    and the CPU each process spent per request of the throughput phase. ``pids``: target name -> pid of the
+) -> tuple[dict[str, Any], dict[str, list[tuple[float, float]]]]:
+    """Latency (interleaved rounds, sequential), streamed answers (the same, ``--stream-requests``) and throughput
+    (concurrent) of each target: name -> (url, headers), and the CPU each process spent per request of the
+    throughput phase. ``pids``: target name -> pid of the
     process serving it (``upstream`` too); ``--profile`` samples the ``ibex`` one during its throughput phase."""
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
     latencies: dict[str, list[float]] = {name: [] for name in targets}
+    streams: dict[str, list[tuple[float, float]]] = {name: [] for name in targets if name != "bare"}
     rps: dict[str, tuple[float, int]] = {}
     cpu: dict[str, dict[str, float]] = {}
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -196,6 +243,13 @@ async def measure(
         for _ in range(args.rounds):  # interleave rounds so drift hits every side alike
             for name, (url, headers) in targets.items():
                 latencies[name] += await timed(http, url, headers, args.requests // args.rounds)
+        expected = STREAM_PIECE * args.stream_events
+        streamers = {name: target for name, target in targets.items() if name != "bare"} if args.stream_requests else {}
+        for url, headers in streamers.values():
+            await timed_stream(http, url, headers, WARM_UP // 10, expected)
+        for _ in range(args.rounds):
+            for name, (url, headers) in streamers.items():
+                streams[name] += await timed_stream(http, url, headers, args.stream_requests // args.rounds, expected)
         for name, (url, headers) in targets.items():
             profiler = profile_start(args.profile, pids.get(name)) if args.profile and name == "ibex" else None
             roots = {"upstream": pids["upstream"], **({"proxy": pids[name]} if name in pids else {})}
@@ -210,7 +264,7 @@ async def measure(
     return {
         name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name], values, cpu[name])
         for name, values in latencies.items()
-    }
+    }, {name: pairs for name, pairs in streams.items() if pairs}
 
 
 def profile_start(path: str, pid: int | None) -> subprocess.Popen[bytes] | None:
@@ -280,6 +334,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def report_streams(streams: dict[str, list[tuple[float, float]]], args: argparse.Namespace, figures: Figures) -> None:
+    """Print and keep the streamed answers' figures: each target's time to the first event and to the end, added
+    over the direct upstream's at the same quantile, and the added time per event after the first."""
+    after_first = args.stream_events + 1  # the content events but the first, the finish event and [DONE]
+    first = {name: {p: q([f for f, _ in pairs], p) for p in (50, 99)} for name, pairs in streams.items()}
+    last = {name: {p: q([e for _, e in pairs], p) for p in (50, 99)} for name, pairs in streams.items()}
+    print(f"streamed answers: {args.stream_requests} per target in {args.rounds} interleaved rounds, "
+          f"{args.stream_events} content events each; ms to the first event and to the end of the stream")  # fmt: skip
+    print(f"{'':10}{'first p50':>10}{'first p99':>10}{'end p50':>9}{'end p99':>9}  {'added first p50/p99':>20}"
+          f"  {'added end p50/p99':>18}  {'added per event':>16}")  # fmt: skip
+    figures.put("stream.method", f"{args.stream_requests} streamed answers per target, sequential, in "
+                f"{args.rounds} interleaved rounds, {args.stream_events} content events each; added = the "
+                "target's quantile minus the direct upstream's; per event = (added end - added first) at p50 over "
+                f"the {after_first} events after the first")  # fmt: skip
+    figures.put("stream.events", args.stream_events)
+    for name, pairs in streams.items():
+        added = {f"{edge}_p{p}": quantiles[name][p] - quantiles["direct"][p]
+                 for edge, quantiles in (("first", first), ("end", last)) for p in (50, 99)}  # fmt: skip
+        per_event_us = (added["end_p50"] - added["first_p50"]) / after_first * 1000
+        print(f"{name:10}{first[name][50]:10.3f}{first[name][99]:10.3f}{last[name][50]:9.3f}{last[name][99]:9.3f}"
+              f"  {added['first_p50']:9.3f} {added['first_p99']:9.3f}  {added['end_p50']:8.3f} {added['end_p99']:8.3f}"
+              f"  {per_event_us:13.1f} us")  # fmt: skip
+        figures.put(f"stream.targets.{name}", {"first": latency([f for f, _ in pairs]),
+                                               "end": latency([e for _, e in pairs])})  # fmt: skip
+        if name != "direct":
+            figures.put(f"stream.added.{name}", {**added, "per_event_us": per_event_us})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=4000, help="sequential requests per side (latency)")
@@ -291,6 +373,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON here (bench/report.py)")
     parser.add_argument("--stages", action="store_true", help="where the proxy's time went, from its analytics rows")
     parser.add_argument("--bare", action="store_true", help="also measure a bare pass-through (bench/passthrough.py)")
+    parser.add_argument("--stream-requests", type=int, default=1000, help="streamed answers per target (0: none)")
+    parser.add_argument("--stream-events", type=int, default=32, help="content events of each streamed answer")
     parser.add_argument(
         "--workers", type=lambda v: [int(n) for n in v.split(",")], default=[],
         help="also measure `ibex proxy --workers N` for each N of this comma-separated list",
@@ -355,7 +439,16 @@ def main() -> None:
                 pids["litellm"] = litellm_proc.pid
             if bare_proc is not None:
                 pids["bare"] = bare_proc.pid
-            result = asyncio.run(measure(targets, args, pids))
+            if args.stream_requests:  # every streamed answer carries --stream-events content events
+                script = urllib.request.Request(
+                    upstream_url.removesuffix("/v1") + "/_script", method="POST",
+                    data=json.dumps({"stream_pieces": [STREAM_PIECE] * args.stream_events}).encode(),
+                    headers={"Content-Type": "application/json"},
+                )  # fmt: skip
+                with urllib.request.urlopen(script, timeout=10) as answer:
+                    if answer.status != 200:
+                        raise SystemExit(f"the upstream refused its script: {answer.status}")
+            result, streams = asyncio.run(measure(targets, args, pids))
         finally:
             if litellm_proc is not None:
                 stop(litellm_proc)
@@ -402,6 +495,8 @@ def main() -> None:
         figures.put("ratio_litellm", {
             f"p{p}": (result["ibex"][0][p] - direct[p]) / (result["litellm"][0][p] - direct[p]) for p in (50, 99)
         })  # fmt: skip
+    if streams:
+        report_streams(streams, args, figures)
     for n in args.workers:  # `ibex proxy --workers N` alone (the "ibex" target is `ibex dev`, every stage in one)
         _, rps, errors, _, _ = result[f"workers={n}"]
         figures.put(f"workers.{n}", {"rps": rps, "errors": errors})

@@ -187,6 +187,13 @@ def target_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         at_most=False,
         why="no CPU figure in the proxy benchmark",
     )
+    # Streaming: the client's first event should cost no more than a whole non-streamed answer does.
+    first_p50 = _get(proxy, "stream", "added", "ibex", "first_p50")
+    plain_p50 = _get(added, "ibex", "p50")
+    events = _get(proxy, "stream", "events")
+    row(f"streamed answer: added p50 to the first event, at most the non-streamed added p50 ({events or '?'} events)",
+        round(plain_p50, 3) if plain_p50 is not None else 0.0, first_p50 if plain_p50 is not None else None, "ms",
+        why="no streamed answers in the proxy benchmark")  # fmt: skip
     ratio_p50 = _get(proxy, "ratio_litellm", "p50")
     ratio_p99 = _get(proxy, "ratio_litellm", "p99")
     no_litellm = "LiteLLM not measured (no --litellm)"
@@ -333,6 +340,15 @@ def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, 
                 "| part | p50 | p99 | max |", "|---|---|---|---|"]  # fmt: skip
         ranked = sorted(stages.items(), key=lambda kv: (kv[0] != "request", -kv[1]["p99"]))
         out += [f"| {name} | {v['p50']:.3f} | {v['p99']:.3f} | {v['max']:.2f} |" for name, v in ranked]
+    streamed = _get(proxy, "figures", "stream", "added")
+    if streamed:
+        out += ["", "## Streamed answers", "",
+                f"{_get(proxy, 'figures', 'stream', 'method')}. Milliseconds added over the direct upstream, to the "
+                "first event and to the end of the stream, and microseconds added per relayed event:", "",
+                "| target | first p50 | first p99 | end p50 | end p99 | per event |",
+                "|---|---|---|---|---|---|"]  # fmt: skip
+        out += [f"| {name} | {v['first_p50']:.3f} | {v['first_p99']:.3f} | {v['end_p50']:.3f} | {v['end_p99']:.3f}"
+                f" | {v['per_event_us']:.1f} us |" for name, v in streamed.items()]  # fmt: skip
     cpu = {name: t["cpu_us_per_request"] for name, t in (_get(proxy, "figures", "targets") or {}).items()
            if t.get("cpu_us_per_request")}  # fmt: skip
     if cpu:

@@ -56,6 +56,7 @@ class Script:
     chunk_interval: float = 0.0  # seconds between stream events
     answers: list[str] = field(default_factory=list)  # contents of the next JSON answers, in order (then the default)
     set_cookie: str | None = None  # a Set-Cookie header on every JSON answer (a provider behind a sticky balancer)
+    stream_pieces: list[str] | None = None  # the content events of a streamed answer (default: PIECES)
 
 
 @dataclass
@@ -152,7 +153,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                 **extra))  # fmt: skip
         events.append(chunk(body, choices=choice({}, "tool_calls"), **extra))
     else:
-        pieces = [said] if said is not None else PIECES
+        pieces = [said] if said is not None else script.stream_pieces or PIECES
         events += [chunk(body, choices=choice({"content": piece}), **extra) for piece in pieces]
         events.append(chunk(body, choices=choice({}, "stop"), **extra))
     if include_usage:

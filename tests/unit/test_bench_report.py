@@ -29,6 +29,20 @@ def results() -> dict[str, Any]:
         "added": {"ibex": {"p50": 2.4, "p95": 5.0, "p99": 8.3}},
         "workers": {"1": {"rps": 200.0, "errors": 0}, "2": {"rps": 320.0, "errors": 0}},
         "durability": {"synchronous_commit": "on", "fsync": "on"},
+        "stream": {
+            "method": "100 streamed answers per target",
+            "events": 32,
+            "added": {
+                "ibex": {"first_p50": 2.5, "first_p99": 6.0, "end_p50": 3.4, "end_p99": 8.0, "per_event_us": 27.3},
+                "litellm": {
+                    "first_p50": 15.6,
+                    "first_p99": 21.0,
+                    "end_p50": 43.3,
+                    "end_p99": 60.1,
+                    "per_event_us": 840.3,
+                },
+            },
+        },
         "stages": {
             "ibex": {
                 "rate_limit": {"p50": 0.06, "p99": 0.17, "max": 0.7},
@@ -83,12 +97,18 @@ def test_targets_say_met_or_by_how_much_they_are_missed() -> None:
     assert (capacity["measured"], capacity["met"]) == (2500.0, False)  # 1 / 400 us
     litellm = rows["added latency ours / LiteLLM, p50"]
     assert litellm["met"] is None and "not measured" in litellm["note"]
+    # The first streamed event against a whole non-streamed answer, both added over the direct upstream.
+    streamed = rows["streamed answer: added p50 to the first event, at most the non-streamed added p50"]
+    assert (streamed["goal"], streamed["measured"], streamed["met"]) == (2.4, 2.5, False)
+    assert streamed["target"].endswith("(32 events)")
 
 
 def test_a_missing_benchmark_is_reported_as_not_measured() -> None:
     rows = target_rows({})
     assert all(r["met"] is None and r["measured"] is None for r in rows)
     assert by_target(rows)["proxy added latency p50"]["note"] == "proxy benchmark missing"
+    streamed = by_target(rows)["streamed answer: added p50 to the first event, at most the non-streamed added p50"]
+    assert streamed["note"] == "no streamed answers in the proxy benchmark"
 
 
 def test_the_profile_summary_ranks_the_projects_functions_by_inclusive_samples(tmp_path: Path) -> None:
@@ -128,6 +148,10 @@ def test_plots_and_markdown_are_written(tmp_path: Path) -> None:
     ]
     assert "| upstream | 0.640 | 2.720 | 7.80 |" in table
     assert "![Throughput vs workers](2026-12-02-proxy-workers.png)" in text
+    streams = text.split("## Streamed answers")[1].split("##")[0]
+    assert "100 streamed answers per target." in streams
+    assert "| ibex | 2.500 | 6.000 | 3.400 | 8.000 | 27.3 us |" in streams
+    assert "| litellm | 15.600 | 21.000 | 43.300 | 60.100 | 840.3 us |" in streams
     assert "host yardstick before python 33.0 / numpy 6.2 ms, after python 58.5 / numpy 8.0 ms" in text
     assert "host yardstick before not taken, after not taken" in text  # the runs that did not record it
     assert "on 2 cores (x86_64, AMD EPYC, no VNNI)" in text
