@@ -375,6 +375,8 @@ def main() -> None:
     parser.add_argument("--bare", action="store_true", help="also measure a bare pass-through (bench/passthrough.py)")
     parser.add_argument("--stream-requests", type=int, default=1000, help="streamed answers per target (0: none)")
     parser.add_argument("--stream-events", type=int, default=32, help="content events of each streamed answer")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="the upstream's pause between stream events (0: all at once)")  # fmt: skip
     parser.add_argument(
         "--workers", type=lambda v: [int(n) for n in v.split(",")], default=[],
         help="also measure `ibex proxy --workers N` for each N of this comma-separated list",
@@ -442,7 +444,8 @@ def main() -> None:
             if args.stream_requests:  # every streamed answer carries --stream-events content events
                 script = urllib.request.Request(
                     upstream_url.removesuffix("/v1") + "/_script", method="POST",
-                    data=json.dumps({"stream_pieces": [STREAM_PIECE] * args.stream_events}).encode(),
+                    data=json.dumps({"stream_pieces": [STREAM_PIECE] * args.stream_events,
+                                     "chunk_interval": args.stream_interval_ms / 1000}).encode(),
                     headers={"Content-Type": "application/json"},
                 )  # fmt: skip
                 with urllib.request.urlopen(script, timeout=10) as answer:
