@@ -47,7 +47,7 @@ def bench_commands(args: argparse.Namespace, json_dir: Path) -> dict[str, list[s
     py = sys.executable
     quick = args.quick
     proxy = [py, "-m", "bench.proxy_overhead", "--workers", "1,2", "--json", str(json_dir / "proxy.json")]
-    proxy += ["--requests", "800", "--throughput-requests", "2000"] if quick else []
+    proxy += ["--requests", "800", "--throughput-requests", "2000", "--stream-requests", "200"] if quick else []
     proxy += ["--litellm", args.litellm] if args.litellm else []
     proxy += ["--profile", str(json_dir / "proxy-profile.txt"), "--stages"]
     memory = [py, "bench/memory_bench.py", "--json", str(json_dir / "memory.json"), "--streams", "2"]
