@@ -26,6 +26,7 @@ the same interleaved rounds, on every target but ``bare`` (which buffers): the t
 end of the stream, each target's quantile minus the direct upstream's, and what each relayed event adds (the added
 time to the end less the added time to the first event, over the events after the first). Every streamed answer
 must be a 200 event stream whose content adds up to what the upstream sent and which ends with ``[DONE]``.
+``--stream-interval-ms`` makes the upstream pause between its events (by default it sends them all at once).
 
 With ``--litellm PATH/TO/litellm`` it also measures LiteLLM's proxy side by side (master key only, no database,
 one worker, the same upstream). LiteLLM is not a dependency of this project; install it in a scratch virtualenv:
