@@ -331,6 +331,10 @@ async def test_two_leasing_replicas_together_never_overspend(
     assert len(admitted) + sum(h is not None for h in rest) == 50
 
 
+async def lease_rows(stores: Stores, org_id: UUID) -> list[asyncpg.Record]:
+    return [r for r in await holds(stores, org_id) if r["request_id"].startswith("lease_")]
+
+
 async def test_a_steady_stream_keeps_one_lease_ahead_and_no_more(
     stores: Stores, tenant: Tenant, tick: HandClock
 ) -> None:
@@ -343,8 +347,7 @@ async def test_a_steady_stream_keeps_one_lease_ahead_and_no_more(
         open_counts.append(budgets.open_leases)
     # Leases of ten: about one per ten requests, the next one placed when the current one runs low.
     assert max(open_counts) <= 2
-    leases = [r for r in await holds(stores, org) if r["request_id"].startswith("lease_")]
-    assert 9 <= len(leases) <= 11
+    assert 9 <= len(await lease_rows(stores, org)) <= 11
     await budgets.drain()
     await books_balance(stores, budgets, org, alpha)
     assert await totals(budgets, org, alpha) == {"org": (D("0.100"), 0), "agent": (D("0.100"), 0)}
@@ -355,8 +358,17 @@ def paced(db: Database, tick: HandClock) -> BudgetService:
     return BudgetService(db, leases=LeaseSettings(10, seconds=60, most=40, pace_seconds=0.5), lease_clock=tick)
 
 
-async def lease_rows(stores: Stores, org_id: UUID) -> list[asyncpg.Record]:
-    return [r for r in await holds(stores, org_id) if r["request_id"].startswith("lease_")]
+async def serve_every_millisecond(
+    budgets: BudgetService, tick: HandClock, tenant: Tenant, n: int, held: Decimal, cost: Decimal
+) -> list[BudgetHold]:
+    """``n`` requests of one agent a millisecond apart, each held for ``held`` and settled at ``cost``."""
+    served = []
+    for _ in range(n):
+        tick.now += 0.001
+        hold = await budgets.hold(tenant.org_id, tenant.agents["alpha"], rid(), held, ROOMY)
+        served.append(hold)
+        await settle(budgets, hold, cost)
+    return served
 
 
 async def test_a_fast_stream_takes_fewer_larger_leases_and_pays_the_same(
@@ -364,12 +376,8 @@ async def test_a_fast_stream_takes_fewer_larger_leases_and_pays_the_same(
 ) -> None:
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = paced(stores.db, tick)
-    drawn = 0
-    for _ in range(100):
-        tick.now += 0.001  # a thousand requests a second: half a second of them is more than the most, 40
-        hold = await budgets.hold(org, alpha, rid(), D("0.001"), ROOMY)
-        drawn += hold.lease
-        await settle(budgets, hold, D("0.001"))
+    # A thousand requests a second: half a second of them is more than the most, 40.
+    drawn = sum(h.lease for h in await serve_every_millisecond(budgets, tick, tenant, 100, D("0.001"), D("0.001")))
     # The first lease covers 10, the next ones 40: four leases where leases of ten take ten
     # (test_a_steady_stream_keeps_one_lease_ahead_and_no_more).
     assert 3 <= len(await lease_rows(stores, org)) <= 5 and drawn == 99
@@ -384,12 +392,7 @@ async def test_a_refused_large_lease_leaves_the_agent_leasing_small(
     org, alpha = tenant.org_id, tenant.agents["alpha"]
     budgets = paced(stores.db, tick)
     # 5.00 on the agent: a lease of 10 x 0.05 fits with its reserve (2.00), one of 40 x 0.05 (8.00) never does.
-    held = []
-    for _ in range(45):
-        tick.now += 0.001
-        hold = await budgets.hold(org, alpha, rid(), D("0.05"), ROOMY)
-        held.append(hold)
-        await settle(budgets, hold, CENT)
+    held = await serve_every_millisecond(budgets, tick, tenant, 45, D("0.05"), CENT)
     # The refusal of the large lease did not stop the agent's leases: every hold of the last 20 was drawn from one
     # of ten (a refused lease of ten would have sent every later request to Postgres alone for 60 s).
     assert all(h.lease for h in held[-20:])
