@@ -496,9 +496,11 @@ def main() -> None:
         if name != "direct":
             figures.put(f"added.{name}", {f"p{p}": result[name][0][p] - direct[p] for p in (50, 95, 99)})
     if "litellm" in result:
-        figures.put("ratio_litellm", {
-            f"p{p}": (result["ibex"][0][p] - direct[p]) / (result["litellm"][0][p] - direct[p]) for p in (50, 99)
-        })  # fmt: skip
+        for name, key in (("ibex", "ratio_litellm"), ("bare", "ratio_litellm_bare")):  # bare: the floor of a hop
+            if name in result:
+                figures.put(key, {
+                    f"p{p}": (result[name][0][p] - direct[p]) / (result["litellm"][0][p] - direct[p]) for p in (50, 99)
+                })  # fmt: skip
     if streams:
         report_streams(streams, args, figures)
     for n in args.workers:  # `ibex proxy --workers N` alone (the "ibex" target is `ibex dev`, every stage in one)

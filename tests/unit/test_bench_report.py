@@ -103,6 +103,23 @@ def test_targets_say_met_or_by_how_much_they_are_missed() -> None:
     assert streamed["target"].endswith("(32 events)")
 
 
+def test_the_latency_rows_show_the_bare_pass_through_of_the_same_run_as_the_floor() -> None:
+    data = results()
+    proxy = data["proxy"]["figures"]
+    proxy["added"]["bare"] = {"p50": 0.25, "p95": 0.4, "p99": 1.9}
+    proxy["ratio_litellm"] = {"p50": 0.08, "p99": 0.2}
+    proxy["ratio_litellm_bare"] = {"p50": 0.021, "p99": 0.118}
+    rows = by_target(target_rows(data))
+    assert rows["proxy added latency p99"]["note"] == "missed by 5.3 ms (2.8x); a bare pass-through, same run: 1.9 ms"
+    met = rows["added latency ours / LiteLLM, p50"]
+    assert (met["met"], met["note"]) == (True, "a bare pass-through, same run: 0.021 ratio")
+    missed = rows["added latency ours / LiteLLM, p99"]
+    assert missed["note"] == "missed by 0.1 ratio (2.0x); a bare pass-through, same run: 0.118 ratio"
+    # Without a bare pass-through in the run, the notes say only what they said before.
+    del proxy["added"]["bare"], proxy["ratio_litellm_bare"]
+    assert by_target(target_rows(data))["proxy added latency p99"]["note"] == "missed by 5.3 ms (2.8x)"
+
+
 def test_a_missing_benchmark_is_reported_as_not_measured() -> None:
     rows = target_rows({})
     assert all(r["met"] is None and r["measured"] is None for r in rows)
