@@ -3,13 +3,14 @@ markdown, on small fixed figures (the benchmarks themselves are not run here).""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.figures import latency
-from bench.report import markdown, plots, profile_top, target_rows
+from bench.report import bench_commands, markdown, plots, profile_top, target_rows
 
 ENV = {"date": "2026-12-02T00:00:00+00:00", "commit": "abc123def4567890", "dirty": False, "python": "3.11.7",
        "machine": "x86_64", "cores": 2, "cpu": "AMD EPYC, no VNNI", "load_before": [0.1, 0.2, 0.3],
@@ -118,6 +119,13 @@ def test_the_latency_rows_show_the_bare_pass_through_of_the_same_run_as_the_floo
     # Without a bare pass-through in the run, the notes say only what they said before.
     del proxy["added"]["bare"], proxy["ratio_litellm_bare"]
     assert by_target(target_rows(data))["proxy added latency p99"]["note"] == "missed by 5.3 ms (2.8x)"
+
+
+def test_the_report_runs_the_bare_pass_through_beside_the_proxy(tmp_path: Path) -> None:
+    for quick in (False, True):
+        args = argparse.Namespace(quick=quick, litellm="litellm")
+        proxy = bench_commands(args, tmp_path)["proxy"]
+        assert "--bare" in proxy and proxy[proxy.index("--litellm") + 1] == "litellm"
 
 
 def test_a_missing_benchmark_is_reported_as_not_measured() -> None:
