@@ -71,6 +71,28 @@ async def test_postings_follow_the_memory_and_are_scored_against_the_query(
             assert await conn.fetchval(POSTINGS, cake_id) > 0
 
 
+async def test_deleting_a_memory_deletes_its_postings_of_both_kinds(
+    proxy: RunningProxy, tenants: TenantFactory, stores: Stores
+) -> None:
+    """The postings tables keep no foreign key to memories (migration 0040): a statement trigger does the cascade."""
+    t = await tenants.create()
+    async with memory_client(proxy, t) as client:
+        gone = (await client.write({"content": "Priya adopted a grey rescue greyhound named Comet."})).body
+        kept = (await client.write({"content": "Tomasz repairs vintage motorcycles in his garage."})).body
+    ids = [uuid.UUID(gone["memory"]["id"]), uuid.UUID(kept["memory"]["id"])]
+    counts = """
+        SELECT (SELECT count(*) FROM memory_terms WHERE memory_id = $1) AS terms,
+               (SELECT count(*) FROM memory_sparse_terms WHERE memory_id = $1) AS sparse
+    """
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        before = [tuple(await conn.fetchrow(counts, i)) for i in ids]
+        assert all(terms > 2 and sparse > 5 for terms, sparse in before)
+        assert await conn.execute("DELETE FROM memories WHERE id = $1", ids[0]) == "DELETE 1"
+        assert tuple(await conn.fetchrow(counts, ids[0])) == (0, 0)
+        assert tuple(await conn.fetchrow(counts, ids[1])) == before[1]  # the other memory's postings stay
+
+
 async def test_a_superseded_memory_keeps_no_postings(
     proxy: RunningProxy, tenants: TenantFactory, stores: Stores
 ) -> None:
