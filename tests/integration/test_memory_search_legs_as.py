@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -20,7 +23,7 @@ from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.memory.repository import MemoryRepository
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
-from ibex_dataplane.store.postgres import close_pool, create_pool
+from ibex_dataplane.store.postgres import Database, close_pool, create_pool
 from tests.support.tenants import TenantFactory
 
 DIM = 384
@@ -161,6 +164,45 @@ async def test_nothing_a_leg_sets_outlives_its_statement(
             assert await conn.fetchval("SELECT count(*) FROM memories") == 0  # row-level security: no scope, no rows
     finally:
         await close_pool(pool)
+
+
+class _EfSeen(Database):
+    """A Database that notes the HNSW ef_search each tenant transaction ran with, just before it commits."""
+
+    seen: list[str]
+
+    @asynccontextmanager
+    async def tenant(
+        self, org_id: uuid.UUID, agent_id: uuid.UUID | None = None, *, readonly: bool = False
+    ) -> AsyncIterator[asyncpg.Connection]:
+        async with super().tenant(org_id, agent_id, readonly=readonly) as conn:
+            yield conn
+            self.seen.append(await conn.fetchval("SELECT current_setting('hnsw.ef_search')"))
+
+
+async def test_the_write_path_s_neighbour_lookup_has_its_own_ef_search(tenants: TenantFactory, stores: Stores) -> None:
+    t = await tenants.create(agents=("alpha",))
+    org, agent = t.org_id, t.agents["alpha"]
+    async with stores.db.tenant(org, agent) as conn:
+        await _fill(conn, org, agent, 10)
+    db = _EfSeen(stores.db.pool)
+    db.seen = []
+    repo = MemoryRepository(db, ef_search=77, neighbour_ef_search=23)
+    tenant = Tenant(org, agent)
+    found = await repo.neighbours(tenant, np.stack([_unit(7), _unit(8)]), k=5, min_similarity=-1.0)
+    assert [len(f) for f in found] == [5, 5] and db.seen == ["23"]
+
+    async def ready(value: Any) -> Any:
+        return value
+
+    history = await repo.search_vector(  # a read of a past instant: search's own ef_search, in its transaction
+        tenant, vector=ready(_unit(7)), at=datetime.now(UTC), candidates=40, min_similarity=-1.0,
+        min_confidence=None, labels=[],
+    )  # fmt: skip
+    assert len(history) == 10 and db.seen == ["23", "77"]
+    db.seen = []
+    await MemoryRepository(db).neighbours(tenant, np.stack([_unit(7)]), k=5, min_similarity=-1.0)
+    assert db.seen == [str(repository.NEIGHBOUR_EF_SEARCH)]  # by default, not search's 100
 
 
 _SETTINGS = """
