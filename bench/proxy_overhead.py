@@ -235,7 +235,9 @@ async def measure(
     process serving it (``upstream`` too); ``--profile`` samples the ``ibex`` one during its throughput phase."""
     connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
     latencies: dict[str, list[float]] = {name: [] for name in targets}
-    streams: dict[str, list[tuple[float, float]]] = {name: [] for name in targets if name != "bare"}
+    # Streamed answers on every target but the bare pass-through, which buffers them.
+    streamers = {name: target for name, target in targets.items() if name != "bare"} if args.stream_requests else {}
+    streams: dict[str, list[tuple[float, float]]] = {name: [] for name in streamers}
     rps: dict[str, tuple[float, int]] = {}
     cpu: dict[str, dict[str, float]] = {}
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -245,7 +247,6 @@ async def measure(
             for name, (url, headers) in targets.items():
                 latencies[name] += await timed(http, url, headers, args.requests // args.rounds)
         expected = STREAM_PIECE * args.stream_events
-        streamers = {name: target for name, target in targets.items() if name != "bare"} if args.stream_requests else {}
         for url, headers in streamers.values():
             await timed_stream(http, url, headers, WARM_UP // 10, expected)
         for _ in range(args.rounds):
@@ -265,7 +266,7 @@ async def measure(
     return {
         name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name], values, cpu[name])
         for name, values in latencies.items()
-    }, {name: pairs for name, pairs in streams.items() if pairs}
+    }, {name: pairs for name, pairs in streams.items() if pairs}  # none when fewer answers than rounds were asked
 
 
 def profile_start(path: str, pid: int | None) -> subprocess.Popen[bytes] | None:
