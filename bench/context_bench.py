@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.figures import Figures, latency  # noqa: E402
 from bench.memory_bench import copy_rows, pct, query, sentence  # noqa: E402
-from bench.stack import embedded_stack, event_loop_name, run_loop  # noqa: E402
+from bench.stack import embedded_stack, event_loop_name, freeze_heap, run_loop  # noqa: E402
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2 as pb  # noqa: E402
 from ibex_dataplane.proto_gen.ibex.context.v1 import context_pb2_grpc as pb_grpc  # noqa: E402
 from ibex_dataplane.security.principal import Principal, PrincipalSigner, grpc_target  # noqa: E402
@@ -97,6 +97,7 @@ async def run(args: argparse.Namespace, figures: Figures) -> None:
                 async with http.post(proxy.v1 + "/memories", json=body, headers=headers) as r:
                     assert r.status == 201, await r.text()
             signer = proxy.memory.signer
+            print(f"heap frozen once the stages are up, as the serving commands do: {freeze_heap()} objects")
             async with grpc.aio.insecure_channel(proxy.context.address) as channel:
                 stub = pb_grpc.ContextAssemblyStub(channel)  # type: ignore[no-untyped-call]
                 for repeat in range(args.repeats):

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.cpu import cpu_ms_per_call, processes, stat_ticks  # noqa: E402
 from bench.figures import Figures, latency  # noqa: E402
-from bench.stack import embedded_stack, event_loop_name, run_loop  # noqa: E402
+from bench.stack import embedded_stack, event_loop_name, freeze_heap, run_loop  # noqa: E402
 from ibex_dataplane.embedding.splade import OnnxSpladeEncoder  # noqa: E402
 from ibex_dataplane.memory.app import METRICS  # noqa: E402
 from ibex_dataplane.memory.models import Tenant as MemoryTenant  # noqa: E402
@@ -337,6 +337,7 @@ async def run(args: argparse.Namespace, figures: Figures) -> list[str]:
             # Warm-up (model, prepared statements, pools).
             for _ in range(20):
                 await post("/memories", {"content": sentence(rng, next(counter))}, 201)
+            report(f"heap frozen after the warm-up, as the serving commands do: {freeze_heap()} objects")
 
             single = await timed(
                 args.single, lambda i: post("/memories", {"content": sentence(rng, next(counter))}, 201)

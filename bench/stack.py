@@ -17,10 +17,13 @@ from typing import Any, TypeVar
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from prometheus_client import CollectorRegistry  # noqa: E402
+
 from bench.durability import production_durability  # noqa: E402
 from ibex_dataplane.embedding.onnx import OnnxMiniLMEmbedder  # noqa: E402
 from ibex_dataplane.pii.redactor import PiiRedactor  # noqa: E402
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime  # noqa: E402
+from ibex_dataplane.runtime.heap import HeapMetrics  # noqa: E402
 from ibex_dataplane.runtime.stores import Stores, StoreUrls, migrate_all  # noqa: E402
 from ibex_dataplane.settings import Settings  # noqa: E402
 from ibex_dataplane.store.clickhouse import ClickHouse  # noqa: E402
@@ -46,6 +49,15 @@ def run_loop(main: Coroutine[Any, Any, T], *, plain: bool = False) -> T:
     import uvloop
 
     return uvloop.run(main)
+
+
+def freeze_heap() -> int:
+    """Freeze the heap as every serving command does once its stages are up (``runtime/heap.py``): one collection,
+    then every survivor moved to the permanent generation. Without it, each full collection in the benchmark's
+    process walks every module, model wrapper and recognizer it loaded, and stops the stages it measures for far
+    longer than a stage of ``ibex dev`` or ``ibex serve`` would stop. Call it after the warm-up; returns the
+    objects frozen."""
+    return HeapMetrics("bench", CollectorRegistry()).freeze()
 
 
 @dataclass
