@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from pathlib import Path
 
@@ -141,8 +142,6 @@ async def test_the_outbox_lease_reveals_ids_and_owners_but_no_tenant_data(
 async def test_the_readme_names_every_cross_tenant_function_the_data_plane_may_call(stores: Stores) -> None:
     """Functions ibex_app may execute that bypass row-level security are either tenant-scoped themselves (they
     read the current org, or set it from their arguments) or named in the README as the only cross-tenant work."""
-    import re
-
     readme = README.read_text()
     bullet = readme[readme.index("- **Tenant isolation**") :].split("\n- ", 1)[0]
     named = set(re.findall(r"`(ibex_[a-z_]+)\(", bullet))
@@ -156,3 +155,34 @@ async def test_the_readme_names_every_cross_tenant_function_the_data_plane_may_c
         )
     cross_tenant = {r["proname"] for r in rows if not r["scoped"]}
     assert cross_tenant == named, f"README names {sorted(named)}, the catalog has {sorted(cross_tenant)}"
+
+
+async def test_every_policy_reads_the_tenant_once_per_statement(stores: Stores) -> None:
+    """Migration 0041: a policy calls ibex_current_org() / ibex_current_agent() only inside a scalar subquery,
+    which Postgres computes once per statement; a bare call is inlined into current_setting(...) for every row."""
+    assert stores.admin_pool is not None
+    async with stores.admin_pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT tablename, policyname, qual, with_check FROM pg_policies WHERE schemaname = 'public'"
+        )
+    assert {r["tablename"] for r in rows} >= {"memories", "memory_terms", "memory_sparse_terms", "organizations"}
+    for r in rows:
+        for expression in (r["qual"], r["with_check"]):
+            calls = re.findall(r"(SELECT )?ibex_current_(?:org|agent)\(\)", expression)
+            assert calls, (r["tablename"], r["policyname"], expression)
+            assert all(calls), (r["tablename"], r["policyname"], expression)
+
+
+async def test_an_agent_scoped_scan_filters_rows_without_reading_the_settings_per_row(
+    stores: Stores, tenants: TenantFactory
+) -> None:
+    a = await tenants.create()
+    alpha = a.agents["alpha"]
+    async with stores.db.tenant(a.org_id, alpha) as conn:
+        await insert_memory(conn, a.org_id, alpha, "alpha's memory")
+        plan = "\n".join(
+            r[0] for r in await conn.fetch("EXPLAIN (COSTS OFF) SELECT content FROM memories WHERE status = 'active'")
+        )
+        assert [r["content"] for r in await conn.fetch("SELECT content FROM memories")] == ["alpha's memory"]
+    assert "InitPlan" in plan, plan
+    assert "current_setting" not in plan, plan
