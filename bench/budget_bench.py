@@ -20,19 +20,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from functools import partial
-from pathlib import Path
 from uuid import UUID, uuid4
 
 import asyncpg
 
+from bench.pg import throwaway_postgres
 from ibex_dataplane.runtime.embedded import ADMIN_ROLE, APP_ROLE, EmbeddedPostgres
 from ibex_dataplane.shared.budget import BudgetPolicy, BudgetService, Enforcement
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
@@ -206,10 +204,7 @@ def main() -> None:
     parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     args = parser.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="ibex-budget-bench-"))
-    pg = EmbeddedPostgres(root / "postgres")
-    pg.start()
-    try:
+    with throwaway_postgres("ibex-budget-bench-") as pg:
         loop = "asyncio"
         if not args.no_uvloop:
             try:
@@ -229,9 +224,6 @@ def main() -> None:
         else:
             asyncio.run(run)
         print(f"load average after: {os.getloadavg()[0]:.2f}")
-    finally:
-        pg.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

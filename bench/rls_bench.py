@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from uuid import UUID
@@ -38,30 +36,29 @@ sys.path.insert(0, str(REPO))
 
 from bench.budget_bench import create_tenants  # noqa: E402
 from bench.durability import production_durability  # noqa: E402
+from bench.pg import throwaway_postgres  # noqa: E402
 from ibex_dataplane.memory.repository import _POPULATION  # noqa: E402  (the product's statement, exactly)
+from ibex_dataplane.memory.tuning import SearchTuning  # noqa: E402
 from ibex_dataplane.runtime.embedded import ADMIN_ROLE, APP_ROLE, EmbeddedPostgres  # noqa: E402
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres  # noqa: E402
 from ibex_dataplane.store.postgres import Database, create_pool  # noqa: E402
 
-CAP = 20_000  # SearchTuning.text_population
+CAP = SearchTuning().text_population  # the cap of the count (20,000)
 
 # Every policy of the schema in one form: tenant_isolation on org_id (id for organizations), agent_isolation.
 SET_FORM = """
 DO $$
-DECLARE p record; org text; agent text;
+DECLARE p record; org text; agent text; expr text;
 BEGIN
     org := CASE '{form}' WHEN '0041' THEN '(SELECT ibex_current_org())' ELSE 'ibex_current_org()' END;
     agent := CASE '{form}' WHEN '0041' THEN '(SELECT ibex_current_agent())' ELSE 'ibex_current_agent()' END;
     FOR p IN SELECT tablename, policyname FROM pg_policies WHERE schemaname = 'public' LOOP
+        expr := CASE p.policyname
+            WHEN 'agent_isolation' THEN format('%s IS NULL OR agent_id = %s', agent, agent)
+            ELSE format('%I = %s', CASE p.tablename WHEN 'organizations' THEN 'id' ELSE 'org_id' END, org)
+        END;
         EXECUTE format('ALTER POLICY %I ON public.%I USING (%s) WITH CHECK (%s)', p.policyname, p.tablename,
-            CASE p.policyname
-                WHEN 'agent_isolation' THEN format('%s IS NULL OR agent_id = %s', agent, agent)
-                ELSE format('%I = %s', CASE p.tablename WHEN 'organizations' THEN 'id' ELSE 'org_id' END, org)
-            END,
-            CASE p.policyname
-                WHEN 'agent_isolation' THEN format('%s IS NULL OR agent_id = %s', agent, agent)
-                ELSE format('%I = %s', CASE p.tablename WHEN 'organizations' THEN 'id' ELSE 'org_id' END, org)
-            END);
+                       expr, expr);
     END LOOP;
 END
 $$
@@ -131,17 +128,11 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}; asyncpg {asyncpg.__version__}; {os.cpu_count()} cores; "
           f"load average before {os.getloadavg()[0]:.2f}")  # fmt: skip
-    root = Path(tempfile.mkdtemp(prefix="ibex-rls-bench-"))
-    pg = EmbeddedPostgres(root / "postgres")
-    pg.start()
-    try:
+    with throwaway_postgres("ibex-rls-bench-") as pg:
         import uvloop
 
         uvloop.run(bench(pg, [int(n) for n in args.memories.split(",")], args.rounds, args.repeats))
         print(f"load average after {os.getloadavg()[0]:.2f}")
-    finally:
-        pg.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
-import tempfile
 import time
 import uuid
 from decimal import Decimal
-from pathlib import Path
 
 import asyncpg
 import orjson
 
 from bench.budget_bench import create_tenants
 from bench.durability import production_durability
+from bench.pg import throwaway_postgres
 from ibex_dataplane.runtime.embedded import ADMIN_ROLE, APP_ROLE, EmbeddedPostgres
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
 
@@ -131,14 +129,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--against", default="0035,0036", help="earlier migrations whose function to compare")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="settle-batch-bench-"))
-    pg = EmbeddedPostgres(root / "postgres")
-    pg.start()
-    try:
+    with throwaway_postgres("settle-batch-bench-") as pg:
         asyncio.run(run(pg, [int(s) for s in args.sizes.split(",")], args.repeats, args.against.split(",")))
-    finally:
-        pg.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
