@@ -121,6 +121,20 @@ async def test_chat_streams_from_an_anthropic_upstream_with_usage(gateway: Runni
     assert usage is not None and usage.prompt_tokens == PROMPT_TOKENS and usage.completion_tokens == 5
 
 
+async def test_streams_from_an_anthropic_upstream_reuse_one_connection(
+    gateway: RunningProxy, tenant: Tenant, upstream: AnthropicUpstream
+) -> None:
+    async with gpt(gateway, tenant) as ai:
+        for _ in range(3):
+            stream = await ai.chat.completions.create(
+                model="claude-up", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=50
+            )
+            pieces = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
+            assert "".join(pieces) == "".join(PIECES)
+    assert len(upstream.peers) == 3 and None not in upstream.peers
+    assert len(set(upstream.peers)) == 1, "each stream read to its end leaves its connection for the next"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_chat_tool_round_trip_through_an_anthropic_upstream(
     gateway: RunningProxy, upstream: AnthropicUpstream, tenant: Tenant, stream: bool

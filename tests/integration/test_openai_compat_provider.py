@@ -280,6 +280,19 @@ async def test_stream_keeps_the_usage_chunk_when_the_client_asked_and_bytes_are_
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (11, 4)
 
 
+async def test_a_stream_read_to_its_end_leaves_its_connection_for_the_next_call(
+    fresh: Upstream, client: UpstreamClient
+) -> None:
+    provider = make_provider(fresh, client)
+    for _ in range(3):
+        payloads, _ = await read_stream(provider, chat({"stream": True}))
+        assert payloads
+    with_usage, _ = await read_stream(provider, chat({"stream": True, "stream_options": {"include_usage": True}}))
+    assert orjson.loads(with_usage[-1])["usage"] == UPSTREAM_USAGE  # the upstream's last chunk, then the body's end
+    assert len(fresh.peers) == 4 and None not in fresh.peers
+    assert len(set(fresh.peers)) == 1, "every stream after the first reused the first one's connection"
+
+
 async def test_stream_without_upstream_usage_is_estimated(fresh: Upstream, client: UpstreamClient) -> None:
     fresh.reset(Script(omit_usage=True))
     _, done = await read_stream(make_provider(fresh, client), chat({"stream": True}))

@@ -167,6 +167,86 @@ async def test_a_stream_is_read_piece_by_piece_as_the_upstream_sends_it(client: 
     assert (first, rest) == (b"data: first\n\n", b"data: second\n\n")
 
 
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+LAST_EVENT = b"e\r\ndata: [DONE]\n\n\r\n"
+
+
+async def read_last_event_then_finish(client: UpstreamClient, url: str, **bounds: float) -> None:
+    """What a provider does with a stream: read up to its last event, then finish the response."""
+    response = await client.post(url, b"{}", JSON_HEADERS)
+    assert await response.read_some() == b"data: [DONE]\n\n"
+    await response.finish(**bounds)  # type: ignore[arg-type]
+
+
+async def test_finishing_a_stream_after_its_last_event_keeps_the_connection(client: UpstreamClient) -> None:
+    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Upstream) -> None:
+        writer.write(STREAM_HEAD + LAST_EVENT)
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the body's end comes in a packet of its own, after the client read the event
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with serving(answer) as upstream:
+        for _ in range(3):
+            await read_last_event_then_finish(client, upstream.url)
+    assert (upstream.connections, len(upstream.requests)) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("after_last_event", "bounds"),
+    [
+        (b"", {"timeout": 0.2}),  # the body never ends: closed once the wait is over
+        (b"4000\r\n" + b"x" * 0x4000 + b"\r\n0\r\n\r\n", {"limit": 1024}),  # more than the limit follows
+        (b"zz\r\n", {}),  # a malformed chunk
+    ],
+    ids=["silent", "over-the-limit", "malformed"],
+)
+async def test_a_stream_whose_body_does_not_end_well_after_its_last_event_is_closed(
+    client: UpstreamClient, after_last_event: bytes, bounds: dict[str, float]
+) -> None:
+    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Upstream) -> None:
+        writer.write(STREAM_HEAD + LAST_EVENT + after_last_event)
+        await writer.drain()
+
+    async with serving(answer) as upstream:
+        await read_last_event_then_finish(client, upstream.url, **bounds)
+        await asyncio.wait_for(upstream.closed_by_client.wait(), 10)
+        await read_last_event_then_finish(client, upstream.url, timeout=0.2)
+    assert upstream.connections == 2
+
+
+async def test_finishing_a_body_framed_by_the_end_of_the_connection_does_not_wait_for_it(
+    client: UpstreamClient,
+) -> None:
+    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Upstream) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: [DONE]\n\n")
+        await writer.drain()
+        await asyncio.sleep(3600)  # never closes on its own
+
+    async with serving(answer) as upstream:
+        for _ in range(2):
+            response = await client.post(upstream.url, b"{}", JSON_HEADERS)
+            assert await response.read_some() == b"data: [DONE]\n\n"
+            await asyncio.wait_for(response.finish(timeout=30), 5)  # closed at once, not after 30 s
+    assert upstream.connections == 2
+
+
+async def test_cancelling_a_finish_closes_the_connection(client: UpstreamClient) -> None:
+    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Upstream) -> None:
+        writer.write(STREAM_HEAD + LAST_EVENT)
+        await writer.drain()
+
+    async with serving(answer) as upstream:
+        response = await client.post(upstream.url, b"{}", JSON_HEADERS)
+        assert await response.read_some() == b"data: [DONE]\n\n"
+        finishing = asyncio.create_task(response.finish(timeout=30))
+        await asyncio.sleep(0)  # it starts waiting for the body's end
+        finishing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await finishing
+        await asyncio.wait_for(upstream.closed_by_client.wait(), 10)
+
+
 async def test_a_gzip_body_is_decompressed(client: UpstreamClient) -> None:
     packed = gzip.compress(b'{"data": [' + b"0.125, " * 500 + b"1]}")
     raw = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed) + packed

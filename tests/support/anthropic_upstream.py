@@ -44,12 +44,14 @@ class AnthropicUpstream:
     script: AnthropicScript = field(default_factory=AnthropicScript)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Mapping[str, str]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # the client address of each request: a reused connection repeats
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
     def reset(self, script: AnthropicScript | None = None) -> None:
         self.script = script or AnthropicScript()
         self.bodies.clear()
         self.headers.clear()
+        self.peers.clear()
         self.disconnected = asyncio.Event()
 
 
@@ -108,6 +110,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     upstream.bodies.append(body)
     upstream.headers.append(dict(request.headers))
+    upstream.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
     if request.headers.get("x-api-key") != API_KEY:
         return error(401, "invalid x-api-key")
     if not request.headers.get("anthropic-version"):

@@ -65,12 +65,14 @@ class Upstream:
     script: Script = field(default_factory=Script)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Mapping[str, str]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # the client address of each request: a reused connection repeats
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
     def reset(self, script: Script | None = None) -> None:
         self.script = script or Script()
         self.bodies.clear()
         self.headers.clear()
+        self.peers.clear()
         self.disconnected = asyncio.Event()
 
 
@@ -98,6 +100,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     upstream.bodies.append(body)
     upstream.headers.append(dict(request.headers))
+    upstream.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
     if request.headers.get("Authorization") != f"Bearer {API_KEY}":
         return web.json_response({"error": {"message": "bad key", "type": "auth"}}, status=401)
     if len(upstream.bodies) <= script.fail_first:

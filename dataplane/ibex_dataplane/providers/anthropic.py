@@ -291,7 +291,7 @@ class AnthropicProvider(HttpProvider):
         finally:
             await events.aclose()
             if finished:
-                response.release()
+                await response.finish()  # the body's end is read, so the connection serves the next call
             else:
                 response.close()  # drop the connection: the upstream sees the disconnect and stops generating
 

@@ -129,7 +129,7 @@ class OpenAICompatProvider(HttpProvider):
         finally:
             await events.aclose()
             if state.finished:
-                response.release()
+                await response.finish()  # the body's end is read, so the connection serves the next call
             else:
                 response.close()  # drop the connection: the upstream sees the disconnect and stops generating
 

@@ -15,8 +15,10 @@ A request is never sent twice here: a reused connection that the upstream closed
 any other, and the caller's retry policy decides (a ``POST`` is not idempotent).
 
 A response must be ended with :meth:`UpstreamResponse.release` (its connection goes back to the pool if the body
-was read to the end and the upstream keeps connections alive) or :meth:`UpstreamResponse.close` (the connection
-is closed: the upstream sees the client go away). Cancelling a call closes its connection.
+was read to the end and the upstream keeps connections alive), :meth:`UpstreamResponse.finish` (the rest of the
+body read first, within bounds: for a stream whose last event has come but not yet the body's end) or
+:meth:`UpstreamResponse.close` (the connection is closed: the upstream sees the client go away). Cancelling a call
+closes its connection.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def _target(url: str) -> _Target:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return _Target(_Origin(parts.scheme, parts.hostname, port), path)
+
+
+_FINISH_LIMIT = 64 * 1024  # bytes UpstreamResponse.finish reads past a stream's last event at most
+_FINISH_TIMEOUT = 0.5  # seconds it waits for the body's end at most
 
 
 class _Connection(asyncio.Protocol):
@@ -429,6 +435,32 @@ class UpstreamResponse:
         return conn.take(end + 2)[:-2]
 
     # -- the end ------------------------------------------------------------------------------------------------
+
+    async def finish(self, *, limit: int = _FINISH_LIMIT, timeout: float = _FINISH_TIMEOUT) -> None:
+        """Read the rest of the body and release the response, so that its connection serves the next call.
+
+        For a stream whose last event has been read (``[DONE]``, ``message_stop``): the body's end (the last chunk
+        of a chunked body) usually follows in the same packet, but nothing has read it yet, and a connection is only
+        reused once its body was read to the end. At most ``limit`` more bytes are read, for at most ``timeout``
+        seconds; an upstream that sends more, takes longer or breaks the connection gets it closed instead. A body
+        framed by the end of the connection is never waited for."""
+        if self._ended:
+            return
+        if not self._keep_alive:
+            self.close()
+            return
+        left = limit
+        try:
+            async with asyncio.timeout(timeout):
+                while left >= 0 and (piece := await self.read_some()):
+                    left -= len(piece)
+        except (TimeoutError, TransportError):
+            self.close()
+            return
+        except BaseException:  # cancelled while waiting: the connection goes, never back to the pool half read
+            self.close()
+            raise
+        self.release()  # closes it all the same if the body did not end within the limit
 
     def release(self) -> None:
         """End the response; its connection is kept for the next call if the body was read to its end."""
