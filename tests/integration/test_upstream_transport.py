@@ -8,9 +8,7 @@ upstream can misbehave (silence, closing early, a malformed answer) and keep-ali
 from __future__ import annotations
 
 import asyncio
-import datetime
 import gzip
-import ipaddress
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -19,13 +17,10 @@ from pathlib import Path
 
 import pytest
 import uvloop
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from ibex_dataplane.providers.errors import TransportError
 from ibex_dataplane.providers.transport import UpstreamClient
+from tests.support.tls import self_signed_certificate
 
 JSON_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
 
@@ -416,27 +411,8 @@ async def test_cancelling_a_call_waiting_for_its_answer_closes_the_connection(cl
         await asyncio.wait_for(upstream.closed_by_client.wait(), 10)
 
 
-def _certificate(folder: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ibex test upstream")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (folder / "key.pem").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return folder / "cert.pem", folder / "key.pem"
-
-
 async def test_https_upstreams_are_reached_over_verified_tls(tmp_path: Path) -> None:
-    cert, key = _certificate(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert, key)
     async with serving(fixed(OK), tls=server_tls) as upstream:
