@@ -373,8 +373,10 @@ def markdown(env: dict[str, Any], results: dict[str, Any], rows: list[dict[str, 
         out += ["", "## Where search time goes", ""]
         for size, data in sorted(phases.items(), key=lambda kv: int(kv[0])):
             parts = ", ".join(f"{k} {v:.2f} ms" for k, v in data.get("phases_ms", {}).items())
+            ties = data.get("ann_recall_at_10_ties")
+            tied = f" ({ties:.3f} counting ties at the 10th distance)" if ties is not None else ""
             out.append(f"- {int(size) // 1000}k memories: mean per phase in the memory stage: {parts}; "
-                       f"filtered ANN recall@10 {data.get('ann_recall_at_10', float('nan')):.3f}")  # fmt: skip
+                       f"filtered ANN recall@10 {data.get('ann_recall_at_10', float('nan')):.3f}{tied}")  # fmt: skip
             cpu = data.get("cpu_ms_per_search")
             if cpu:
                 spent = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
