@@ -174,16 +174,22 @@ async def read_last_event_then_finish(client: UpstreamClient, url: str, **bounds
 
 
 async def test_finishing_a_stream_after_its_last_event_keeps_the_connection(client: UpstreamClient) -> None:
+    event_read = asyncio.Event()
+
     async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Upstream) -> None:
         writer.write(STREAM_HEAD + LAST_EVENT)
         await writer.drain()
-        await asyncio.sleep(0.05)  # the body's end comes in a packet of its own, after the client read the event
+        await event_read.wait()  # the body's end comes in a packet of its own, once the client has read the event
+        event_read.clear()
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
     async with serving(answer) as upstream:
         for _ in range(3):
-            await read_last_event_then_finish(client, upstream.url)
+            response = await client.post(upstream.url, b"{}", JSON_HEADERS)
+            assert await response.read_some() == b"data: [DONE]\n\n"
+            event_read.set()
+            await response.finish(timeout=10)
     assert (upstream.connections, len(upstream.requests)) == (1, 3)
 
 

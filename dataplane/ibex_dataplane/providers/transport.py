@@ -73,7 +73,7 @@ def _target(url: str) -> _Target:
 
 
 _FINISH_LIMIT = 64 * 1024  # bytes UpstreamResponse.finish reads past a stream's last event at most
-_FINISH_TIMEOUT = 0.5  # seconds it waits for the body's end at most
+_FINISH_TIMEOUT = 0.1  # seconds it waits for the body's end at most (the client's own stream has ended by then)
 
 
 class _Connection(asyncio.Protocol):
