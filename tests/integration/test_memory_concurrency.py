@@ -79,7 +79,7 @@ async def test_a_write_holding_an_older_revision_cannot_resurrect_a_forgotten_me
             )
     with pytest.raises(asyncpg.ObjectNotInPrerequisiteStateError):
         async with stores.db.tenant(t.org_id, t.agents["alpha"]) as conn:
-            await conn.execute("UPDATE memories SET retrieval_count = 99 WHERE id = $1::uuid", created["id"])
+            await conn.execute("UPDATE memories SET confidence = 0.5 WHERE id = $1::uuid", created["id"])
     async with stores.db.tenant(t.org_id, t.agents["alpha"]) as conn:
         row = await conn.fetchrow("SELECT status, content, revision FROM memories WHERE id = $1::uuid", created["id"])
     assert (row["status"], row["content"], row["revision"]) == ("forgotten", None, 2)

@@ -38,13 +38,24 @@ from ibex_dataplane.store.postgres import Database, postgres_errors
 HOT_SYNC = "memory.hot_sync"
 OUTBOX_KINDS = (HOT_SYNC,)
 
-_COLUMNS = """
+
+# A memory's columns but its retrieval bookkeeping, which lives in memory_retrievals (migration 0042: a bump of a
+# row of memories rewrote about 2 kB and, when not HOT, every index of the table); a memory never returned has no
+# row there and reads as a count of 0. The order is that of the search legs' rows (migration 0039).
+def _columns(retrievals: str) -> str:
+    return f"""
     m.id, m.agent_id, m.content, m.status, m.source, m.confidence, m.usefulness, m.valid_from, m.valid_until,
-    m.observed_at, m.session_id, m.metadata, m.revision, m.retrieval_count, m.last_retrieved_at, m.created_at,
-    m.updated_at, m.positive_feedback, m.negative_feedback,
-    coalesce((SELECT array_agg(l.label ORDER BY l.label) FROM memory_labels l WHERE l.memory_id = m.id), '{}')
+    m.observed_at, m.session_id, m.metadata, m.revision, {retrievals}, m.created_at, m.updated_at,
+    m.positive_feedback, m.negative_feedback,
+    coalesce((SELECT array_agg(l.label ORDER BY l.label) FROM memory_labels l WHERE l.memory_id = m.id), '{{}}')
         AS labels
-"""
+    """
+
+
+_COLUMNS = _columns(
+    "coalesce((SELECT r.retrieval_count FROM memory_retrievals r WHERE r.memory_id = m.id), 0) AS retrieval_count,"
+    " (SELECT r.last_retrieved_at FROM memory_retrievals r WHERE r.memory_id = m.id) AS last_retrieved_at"
+)
 # Valid at $3 (a timestamptz; NULL: now): the fence of every retrieval read.
 _FENCE = (
     "(m.valid_from IS NULL OR m.valid_from <= coalesce($3::timestamptz, now()))"
@@ -57,14 +68,26 @@ SELECT {_COLUMNS} FROM memories m
    AND ((m.status = 'active' AND {_FENCE}) OR (m.status = 'superseded' AND $5::bool))
 """
 
+# Each active duplicate share-locked (a concurrent supersede or forget waits for this transaction, or this statement
+# for it, and then sees the row's new status), then counted as retrieved; the counts are read from the upsert, which
+# the rest of the statement would not see.
+_BUMP_RETRIEVALS = """
+INSERT INTO memory_retrievals AS r (memory_id, org_id, agent_id, retrieval_count, last_retrieved_at)
+SELECT h.id, h.org_id, h.agent_id, 1, now() FROM {hits} h ORDER BY h.id
+ON CONFLICT (memory_id) DO UPDATE
+   SET retrieval_count = r.retrieval_count + 1, last_retrieved_at = excluded.last_retrieved_at
+"""
 _BUMP_DUPLICATES = f"""
-WITH hit AS (
-    UPDATE memories m
-       SET retrieval_count = m.retrieval_count + 1, last_retrieved_at = now()
+WITH hit AS MATERIALIZED (
+    SELECT m.* FROM memories m
      WHERE m.org_id = $1 AND m.agent_id = $2 AND m.status = 'active' AND m.content_hash = ANY($3::bytea[])
-    RETURNING m.*
+       FOR SHARE
+), bumped AS (
+    {_BUMP_RETRIEVALS.format(hits="hit")}
+    RETURNING r.memory_id, r.retrieval_count, r.last_retrieved_at
 )
-SELECT m.content_hash, {_COLUMNS} FROM hit m
+SELECT m.content_hash, {_columns("b.retrieval_count, b.last_retrieved_at")}
+  FROM hit m JOIN bumped b ON b.memory_id = m.id
 """
 
 _INSERT = f"""
@@ -155,10 +178,11 @@ WITH changed AS (
 SELECT {_COLUMNS} FROM changed m
 """
 
-_RECORD_RETRIEVALS = """
-UPDATE memories m SET retrieval_count = m.retrieval_count + 1, last_retrieved_at = now()
- WHERE m.org_id = $1 AND m.agent_id = $2 AND m.id = ANY($3::uuid[]) AND m.status = 'active'
-"""
+# The memories are read (their owner and status checked) but not written.
+_RECORD_RETRIEVALS = _BUMP_RETRIEVALS.format(
+    hits="""(SELECT m.id, m.org_id, m.agent_id FROM memories m
+              WHERE m.org_id = $1 AND m.agent_id = $2 AND m.id = ANY($3::uuid[]) AND m.status = 'active')"""
+)
 
 
 # Hybrid retrieval, two legs as two statements so the caller can run them concurrently (the text leg needs no
