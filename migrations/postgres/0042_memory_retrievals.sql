@@ -8,11 +8,11 @@
 -- agent every half second. On memories that statement rewrote whole rows (about 2 kB each: the embedding, the
 -- sparse vector, the text): fillfactor 85 (0005) made most of those updates HOT, but not all, and every row that
 -- did not fit on its page got new entries in each index of memories, the HNSW graph's included. Measured in the
--- memory benchmark at 5,000 memories (600 searches): 87 % of the bumps were HOT; each flush (about 250 rows) took
--- 35-100 ms and touched 20,000-23,000 buffers, on the two cores the searches use, and a search overlapping one
--- waited for it. With the flush switched off in a throwaway build, search p95 fell from 24.7 to 19.4 ms and Postgres
--- CPU per search from 11.4 to 9.5 core-ms. Here a bump is an update of a 60-byte row whose only index is its primary
--- key: always HOT, nothing else to maintain.
+-- memory benchmark at 5,000 memories (600 searches): 89 % of the bumps were HOT; each flush (about 250 rows) took
+-- 35-100 ms and touched 20,000-23,000 buffers, on the two cores the searches use. Here a bump is an update of a
+-- 60-byte row whose only index is its primary key: the same flushes took 4-18 ms and touched about 2,000 buffers
+-- (bench/results/memory.txt). The update is HOT whenever its page has room (fillfactor 80), and even when not, the
+-- primary key is the only index to maintain.
 --
 -- The table holds a row only for a memory returned at least once; no row reads as a count of 0 and no time. It has
 -- no foreign key (a key check locks the memory's row, which is the write this table avoids); rows leave with their
