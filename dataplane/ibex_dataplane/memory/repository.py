@@ -62,11 +62,8 @@ _FENCE = (
     " AND (m.valid_until IS NULL OR m.valid_until > coalesce($3::timestamptz, now()))"
 )
 
-_GET = f"""
-SELECT {_COLUMNS} FROM memories m
- WHERE m.org_id = $1 AND m.agent_id = $2 AND m.id = ANY($4::uuid[])
-   AND ((m.status = 'active' AND {_FENCE}) OR (m.status = 'superseded' AND $5::bool))
-"""
+# Readable memories by id, read at now (migration 0043: one round trip; active and valid now, superseded if asked).
+_GET_AS = "SELECT * FROM ibex_memory_get_as($1, $2, $3::uuid[], $4)"
 
 # Each active duplicate share-locked (a concurrent supersede or forget waits for this transaction, or this statement
 # for it, and then sees the row's new status), then counted as retrieved; the counts are read from the upsert, which
@@ -471,8 +468,7 @@ class MemoryRepository:
         """Readable memories among ``ids``: active and valid now (and superseded ones if asked); never others."""
         if not ids:
             return {}
-        async with self.transaction(tenant, readonly=True) as conn:
-            rows = await conn.fetch(_GET, tenant.org_id, tenant.agent_id, None, list(ids), include_superseded)
+        rows = await self._call_as(tenant, _GET_AS, list(ids), include_superseded)
         return {r["id"]: memory_of(r) for r in rows}
 
     async def page(self, tenant: Tenant, query: ListQuery) -> list[Memory]:
