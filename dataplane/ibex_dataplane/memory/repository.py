@@ -65,15 +65,18 @@ _FENCE = (
 # Readable memories by id, read at now (migration 0043: one round trip; active and valid now, superseded if asked).
 _GET_AS = "SELECT * FROM ibex_memory_get_as($1, $2, $3::uuid[], $4)"
 
-# Each active duplicate share-locked (a concurrent supersede or forget waits for this transaction, or this statement
-# for it, and then sees the row's new status), then counted as retrieved; the counts are read from the upsert, which
-# the rest of the statement would not see.
+# Counts the memories of {hits} (id, org_id, agent_id) as retrieved once more, now: the first retrieval inserts the
+# memory's row of memory_retrievals, later ones update it (rows taken in id order, so two flushes cannot deadlock).
 _BUMP_RETRIEVALS = """
 INSERT INTO memory_retrievals AS r (memory_id, org_id, agent_id, retrieval_count, last_retrieved_at)
 SELECT h.id, h.org_id, h.agent_id, 1, now() FROM {hits} h ORDER BY h.id
 ON CONFLICT (memory_id) DO UPDATE
    SET retrieval_count = r.retrieval_count + 1, last_retrieved_at = excluded.last_retrieved_at
 """
+
+# Each active duplicate share-locked (a concurrent supersede or forget waits for this transaction, or this statement
+# for it, and then sees the row's new status), then counted as retrieved; the counts are read from the upsert, which
+# the rest of the statement would not see.
 _BUMP_DUPLICATES = f"""
 WITH hit AS MATERIALIZED (
     SELECT m.* FROM memories m
