@@ -22,24 +22,11 @@ from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
 from tests.integration.test_migrations import fresh_database
+from tests.integration.test_rls import insert_memory
 from tests.support.tenants import TenantFactory
 
 ROW_VERSION = "SELECT xmin::text, ctid::text, revision FROM memories WHERE id = $1"
 COUNT = "SELECT retrieval_count, last_retrieved_at FROM memory_retrievals WHERE memory_id = $1"
-
-
-async def _write(conn: asyncpg.Connection, org: uuid.UUID, agent: uuid.UUID, content: str) -> uuid.UUID:
-    memory_id = uuid.uuid4()
-    await conn.execute(
-        "INSERT INTO memories (id, org_id, agent_id, content, content_hash, status, source)"
-        " VALUES ($1, $2, $3, $4, $5, 'active', 'imported')",
-        memory_id,
-        org,
-        agent,
-        content,
-        hashlib.sha256(content.encode()).digest(),
-    )
-    return memory_id
 
 
 async def test_a_retrieval_is_counted_without_a_new_version_of_the_memory_row(
@@ -49,7 +36,7 @@ async def test_a_retrieval_is_counted_without_a_new_version_of_the_memory_row(
     tenant = MemoryTenant(t.org_id, t.agents["alpha"])
     repo = MemoryRepository(stores.db)
     async with stores.db.tenant(t.org_id, tenant.agent_id) as conn:
-        mid = await _write(conn, t.org_id, tenant.agent_id, "the lighthouse keeper trims the lamp wicks")
+        mid = await insert_memory(conn, t.org_id, tenant.agent_id, "the lighthouse keeper trims the lamp wicks")
         before = tuple(await conn.fetchrow(ROW_VERSION, mid))
     assert (await repo.get_many(tenant, [mid]))[mid].retrieval_count == 0  # no row: never retrieved
 
@@ -80,7 +67,7 @@ async def test_an_exact_duplicate_is_counted_and_answered_with_its_count(
     tenant = MemoryTenant(t.org_id, t.agents["alpha"])
     repo = MemoryRepository(stores.db)
     async with stores.db.tenant(t.org_id, tenant.agent_id) as conn:
-        mid = await _write(conn, t.org_id, tenant.agent_id, "deploys happen on tuesdays")
+        mid = await insert_memory(conn, t.org_id, tenant.agent_id, "deploys happen on tuesdays")
         before = tuple(await conn.fetchrow(ROW_VERSION, mid))
     digest = hashlib.sha256(b"deploys happen on tuesdays").digest()
     first = await repo.bump_duplicates(tenant, [digest, hashlib.sha256(b"no such memory").digest()])
@@ -99,7 +86,7 @@ async def test_counts_stay_with_their_tenant(tenants: TenantFactory, stores: Sto
     alpha = MemoryTenant(a.org_id, a.agents["alpha"])
     repo = MemoryRepository(stores.db)
     async with stores.db.tenant(a.org_id, alpha.agent_id) as conn:
-        mid = await _write(conn, a.org_id, alpha.agent_id, "alpha's retrieved memory")
+        mid = await insert_memory(conn, a.org_id, alpha.agent_id, "alpha's retrieved memory")
     await repo.record_retrievals(alpha, [mid])
 
     # Another org's agent, and another agent of the same org, naming alpha's memory: nothing counted, nothing seen.
@@ -137,7 +124,8 @@ async def test_the_migration_carries_existing_counts_over(runtime_info: RuntimeI
     try:
         await conn.execute("INSERT INTO organizations (id, namespace, name) VALUES ($1, 'ns', 'org')", org)
         await conn.execute("INSERT INTO agents (id, org_id, namespace, name) VALUES ($1, $2, 'ns', 'a')", agent, org)
-        seen, unseen = await _write(conn, org, agent, "retrieved before"), await _write(conn, org, agent, "never")
+        seen = await insert_memory(conn, org, agent, "retrieved before")
+        unseen = await insert_memory(conn, org, agent, "never")
         await conn.execute(
             "UPDATE memories SET retrieval_count = 3, last_retrieved_at = '2026-01-02T03:04:05Z' WHERE id = $1", seen
         )
