@@ -9,6 +9,8 @@
 -- by idle_from through the index, then checks last_activity_at itself: it closes exactly the sessions it closed
 -- before.
 
+-- The old index goes first: filling the new column in then has one index less to maintain.
+DROP INDEX sessions_idle;
 ALTER TABLE sessions ADD COLUMN idle_from timestamptz;
 UPDATE sessions SET idle_from = last_activity_at;
 ALTER TABLE sessions ALTER COLUMN idle_from SET DEFAULT now(), ALTER COLUMN idle_from SET NOT NULL;
@@ -31,7 +33,6 @@ CREATE TRIGGER sessions_idle_from BEFORE INSERT OR UPDATE OF last_activity_at, i
     FOR EACH ROW EXECUTE FUNCTION ibex_sessions_idle_from();
 
 CREATE INDEX sessions_idle_from ON sessions (idle_from) WHERE status = 'active';
-DROP INDEX sessions_idle;
 
 -- Room on each page for the turns' new row versions (HOT needs the new version on the same page).
 ALTER TABLE sessions SET (fillfactor = 85);
