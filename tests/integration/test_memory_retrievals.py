@@ -8,7 +8,6 @@ memories, through the repository and in raw SQL; and the migration carries the c
 from __future__ import annotations
 
 import hashlib
-import shutil
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +20,7 @@ from ibex_dataplane.memory.repository import MemoryRepository
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
-from tests.integration.test_migrations import fresh_database
+from tests.integration.test_migrations import database_before, tenant_before
 from tests.integration.test_rls import insert_memory
 from tests.support.tenants import TenantFactory
 
@@ -111,25 +110,16 @@ async def test_counts_stay_with_their_tenant(tenants: TenantFactory, stores: Sto
 
 
 async def test_the_migration_carries_existing_counts_over(runtime_info: RuntimeInfo, tmp_path: Path) -> None:
-    folder = default_migrations_dir() / "postgres"
-    before = tmp_path / "postgres"
-    before.mkdir()
-    for f in sorted(folder.glob("*.sql")):
-        if int(f.name[:4]) < 42:
-            shutil.copy(f, before / f.name)
-    dsn = await fresh_database(runtime_info)
-    await migrate_postgres(dsn, before)
-    org, agent = uuid.uuid4(), uuid.uuid4()
+    dsn = await database_before(runtime_info, tmp_path, 42)
+    org, agent = tenant_before(42)
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("INSERT INTO organizations (id, namespace, name) VALUES ($1, 'ns', 'org')", org)
-        await conn.execute("INSERT INTO agents (id, org_id, namespace, name) VALUES ($1, $2, 'ns', 'a')", agent, org)
         seen = await insert_memory(conn, org, agent, "retrieved before")
         unseen = await insert_memory(conn, org, agent, "never")
         await conn.execute(
             "UPDATE memories SET retrieval_count = 3, last_retrieved_at = '2026-01-02T03:04:05Z' WHERE id = $1", seen
         )
-        assert 42 in await migrate_postgres(dsn, folder)
+        assert 42 in await migrate_postgres(dsn, default_migrations_dir() / "postgres")
         rows = await conn.fetch("SELECT memory_id, org_id, agent_id, retrieval_count, last_retrieved_at"
                                 " FROM memory_retrievals")  # fmt: skip
         columns = await conn.fetch(

@@ -39,6 +39,29 @@ async def fresh_database(info: RuntimeInfo) -> str:
     return info.postgres_admin_dsn.rsplit("/", 1)[0] + f"/{name}"
 
 
+async def database_before(info: RuntimeInfo, folder: Path, version: int) -> str:
+    """A new database migrated up to (not including) migration ``version``, with one org and one agent (both
+    ``uuid5`` of the version, so a test can name them); returns its admin DSN. ``folder`` must be empty."""
+    for f in sorted((default_migrations_dir() / "postgres").glob("*.sql")):
+        if int(f.name[:4]) < version:
+            shutil.copy(f, folder / f.name)
+    dsn = await fresh_database(info)
+    await migrate_postgres(dsn, folder)
+    org, agent = tenant_before(version)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("INSERT INTO organizations (id, namespace, name) VALUES ($1, 'ns', 'org')", org)
+        await conn.execute("INSERT INTO agents (id, org_id, namespace, name) VALUES ($1, $2, 'ns', 'a')", agent, org)
+    finally:
+        await conn.close()
+    return dsn
+
+
+def tenant_before(version: int) -> tuple[uuid.UUID, uuid.UUID]:
+    """The org and agent :func:`database_before` creates."""
+    return uuid.uuid5(uuid.NAMESPACE_OID, f"org-{version}"), uuid.uuid5(uuid.NAMESPACE_OID, f"agent-{version}")
+
+
 async def test_postgres_migrations_apply_from_zero_and_are_idempotent(runtime_info: RuntimeInfo) -> None:
     dsn = await fresh_database(runtime_info)
     folder = default_migrations_dir() / "postgres"

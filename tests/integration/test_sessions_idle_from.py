@@ -8,7 +8,6 @@ not by ``idle_from``; and the migration fills ``idle_from`` in for sessions that
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +20,7 @@ from ibex_dataplane.proxy.sessions import SessionService, Turn
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
-from tests.integration.test_migrations import fresh_database
+from tests.integration.test_migrations import database_before, tenant_before
 from tests.support.tenants import TenantFactory
 
 # This backend's counts of updates of the table not yet sent to the statistics (they only grow in a transaction).
@@ -130,25 +129,16 @@ async def test_the_sweeper_closes_by_last_activity_not_by_idle_from(tenants: Ten
 
 
 async def test_the_migration_fills_idle_from_in(runtime_info: RuntimeInfo, tmp_path: Path) -> None:
-    folder = default_migrations_dir() / "postgres"
-    before = tmp_path / "postgres"
-    before.mkdir()
-    for f in sorted(folder.glob("*.sql")):
-        if int(f.name[:4]) < 44:
-            shutil.copy(f, before / f.name)
-    dsn = await fresh_database(runtime_info)
-    await migrate_postgres(dsn, before)
-    org, agent = uuid.uuid4(), uuid.uuid4()
+    dsn = await database_before(runtime_info, tmp_path, 44)
+    org, agent = tenant_before(44)
     conn = await asyncpg.connect(dsn)
     try:
-        await conn.execute("INSERT INTO organizations (id, namespace, name) VALUES ($1, 'ns', 'org')", org)
-        await conn.execute("INSERT INTO agents (id, org_id, namespace, name) VALUES ($1, $2, 'ns', 'a')", agent, org)
         await conn.execute(
             "INSERT INTO sessions (org_id, agent_id, external_id, last_activity_at)"
             " VALUES ($1, $2, 'old', '2026-01-02T03:04:05Z')",
             org, agent,
         )  # fmt: skip
-        assert 44 in await migrate_postgres(dsn, folder)
+        assert 44 in await migrate_postgres(dsn, default_migrations_dir() / "postgres")
         idle_from, last = await conn.fetchrow("SELECT idle_from, last_activity_at FROM sessions")
         indexes = {r["indexname"] for r in await conn.fetch("SELECT indexname FROM pg_indexes"
                                                              " WHERE tablename = 'sessions'")}  # fmt: skip
