@@ -1,10 +1,11 @@
 -- 0044: a session's next turn rewrites no index entry. Every turn moves the session's last_activity_at, and the
 -- idle sweeper's index was on that column, so each turn's update of the row was a new version with a new entry in
--- each of the table's three indexes (never HOT), for a column that only the sweeper reads, to the hour.
+-- each of the table's three indexes (never HOT), for a column that only the sweeper reads, against idle times of
+-- many minutes.
 --
 -- The sweeper's index is now on idle_from: last_activity_at as it was up to a minute ago. A trigger keeps it: a
 -- turn within a minute of idle_from leaves it alone (the update changes no indexed column and can stay on its
--- page); a later one, a reopened session or any write that moves last_activity_at backwards sets it to
+-- page); a turn a minute or more after it, or any write that moves last_activity_at backwards, sets it to
 -- last_activity_at again. So idle_from <= last_activity_at < idle_from + 1 minute, always, and the sweeper selects
 -- by idle_from through the index, then checks last_activity_at itself: it closes exactly the sessions it closed
 -- before.
