@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from ibex_dataplane.proxy.sessions import SessionService, Turn
+from ibex_dataplane.proxy.sessions import _SETTLE_TURNS, _TURN, SessionService, Turn
 from ibex_dataplane.runtime.embedded import RuntimeInfo
 from ibex_dataplane.runtime.stores import Stores
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_postgres
@@ -33,23 +33,20 @@ ROW = "SELECT status, turn_count, idle_from, last_activity_at FROM sessions WHER
 
 def one_by_one(conn: asyncpg.Connection, org: uuid.UUID, agent: uuid.UUID, session: str) -> Any:
     turn = Turn(session, f"req_{uuid.uuid4().hex}", ["a"], None, 1, 1, 1.0)
-    return conn.fetchval(
-        "SELECT ibex_session_turn_capture_as($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::jsonb, $13, $14)",
-        org, agent, *turn.args(),
-    )  # fmt: skip
+    # The statement SessionService.record_turn sends, here inside the caller's transaction.
+    return conn.fetchval(f"SELECT ibex_session_turn_capture_as($1, $2, {_TURN})", org, agent, *turn.args())
 
 
-def batch(conn: asyncpg.Connection, org: uuid.UUID, agent: uuid.UUID, session: str) -> Any:
+async def batch(conn: asyncpg.Connection, org: uuid.UUID, agent: uuid.UUID, session: str) -> Any:
     # A hold that does not exist settles nothing (its status is NULL); the checkpoint is written all the same.
     item = {
         "hold": str(uuid.uuid4()), "actual": "0", "model": "m", "prompt_tokens": 1, "completion_tokens": 1,
         "session": session, "request_id": f"req_{uuid.uuid4().hex}", "messages": ["a"], "completion": None,
         "latency_ms": 1.0, "mode": None, "capture_model": None, "capture": None, "observed_at": None,
     }  # fmt: skip
-    return conn.fetchval(
-        "SELECT turn FROM ibex_answer_settle_batch_as($1, $2, $3::jsonb, $4)",
-        org, agent, orjson.dumps([item]).decode(), timedelta(hours=1),
-    )  # fmt: skip
+    # The statement SessionService.settle_and_record_turns sends, here inside the caller's transaction.
+    rows = await conn.fetch(_SETTLE_TURNS, org, agent, orjson.dumps([item]).decode(), timedelta(hours=1))
+    return rows[0]["turn"]
 
 
 async def test_a_later_turn_is_a_heap_only_update_on_both_paths(tenants: TenantFactory, stores: Stores) -> None:
