@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -355,6 +356,56 @@ async def test_a_silent_upstream_times_out_after_the_read_timeout(client: Upstre
         with pytest.raises(TimeoutError):
             await post(client, upstream.url, read_timeout=0.2)
         await asyncio.wait_for(upstream.closed_by_client.wait(), 10)  # the client hung up
+
+
+async def test_a_deadline_nearer_than_the_read_timeout_ends_the_wait_for_the_answer(client: UpstreamClient) -> None:
+    async def answer(reader: asyncio.StreamReader, _: asyncio.StreamWriter, __: Upstream) -> None:
+        await reader.read()  # never answers
+
+    async with serving(answer) as upstream:
+        call = post(client, upstream.url, read_timeout=600, deadline=time.monotonic() + 0.2)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(call, 30)  # the read timeout alone would wait ten minutes
+        await asyncio.wait_for(upstream.closed_by_client.wait(), 10)
+
+
+async def test_a_deadline_ends_the_wait_for_the_rest_of_a_body(client: UpstreamClient) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, __: Upstream) -> None:
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"partial"')
+        await writer.drain()
+        await reader.read()  # the other 90 bytes never come
+
+    async with serving(answer) as upstream:
+        response = await client.post(upstream.url, b"{}", JSON_HEADERS, read_timeout=600,
+                                     deadline=time.monotonic() + 0.2)  # fmt: skip
+        assert response.status == 200
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(response.read(), 30)
+        response.close()
+        await asyncio.wait_for(upstream.closed_by_client.wait(), 10)
+
+
+async def test_a_deadline_ends_the_wait_for_a_pooled_connection_and_frees_nothing_it_did_not_take() -> None:
+    client = UpstreamClient(limit=1)
+    async with serving(fixed(OK)) as upstream:
+        first = await client.post(upstream.url, b"{}", JSON_HEADERS)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(post(client, upstream.url, deadline=time.monotonic() + 0.2), 30)
+        assert await first.read() == b'{"ok": true}'
+        first.release()
+        # The call that gave up held no slot: the one connection serves the next call, and no second one opened.
+        assert (await asyncio.wait_for(post(client, upstream.url), 10))[0] == 200
+    await client.close()
+    assert (upstream.connections, len(upstream.requests)) == (1, 2)
+
+
+async def test_a_deadline_already_past_sends_nothing(client: UpstreamClient) -> None:
+    async with serving(fixed(OK)) as upstream:
+        assert (await post(client, upstream.url))[0] == 200  # leaves a pooled connection a call could reuse
+        with pytest.raises(TimeoutError):
+            await post(client, upstream.url, deadline=time.monotonic() - 1)
+        assert (await post(client, upstream.url))[0] == 200  # the slot it did not keep serves the next call
+    assert (upstream.connections, len(upstream.requests)) == (1, 2)
 
 
 async def test_a_redirect_reaches_the_caller_unfollowed(client: UpstreamClient) -> None:

@@ -28,7 +28,6 @@ through on 4xx).
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 import uuid
@@ -320,8 +319,8 @@ class AnthropicProvider(HttpProvider):
 
         while not done:
             try:
-                async with asyncio.timeout(self._remaining(request)):
-                    data = await response.read_some()
+                self._remaining(request)
+                data = await response.read_some()  # within the deadline the response was opened with
             except TimeoutError as e:
                 self._breaker.record_failure()
                 error = self._timeout_error(request, "streaming")

@@ -132,8 +132,8 @@ class HttpProvider:
         """The whole answer of an opened request, decoded, within the request's deadline. A silent or broken
         upstream counts as a failure for the breaker; the connection is released either way."""
         try:
-            async with asyncio.timeout(self._remaining(request)):
-                raw = await response.read()
+            self._remaining(request)
+            raw = await response.read()  # within the request's deadline, which the response was opened with
         except TimeoutError as e:
             response.close()
             self._breaker.record_failure()
@@ -187,13 +187,13 @@ class HttpProvider:
     async def _attempt(
         self, request: AnyRequest, payload: bytes, headers: Mapping[str, str], url: str
     ) -> UpstreamResponse:
-        remaining = self._remaining(request)
+        self._remaining(request)
         config = self._config
         try:
-            async with asyncio.timeout(remaining):
-                response = await self._client.post(
-                    url, payload, headers, connect_timeout=config.connect_timeout, read_timeout=config.read_timeout
-                )
+            response = await self._client.post(
+                url, payload, headers, connect_timeout=config.connect_timeout, read_timeout=config.read_timeout,
+                deadline=request.deadline,
+            )  # fmt: skip
         except TimeoutError as e:
             self._breaker.record_failure()
             error = self._timeout_error(request, "waiting for the upstream")

@@ -13,7 +13,6 @@ is cancelled) closes the upstream connection at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
@@ -149,8 +148,8 @@ class OpenAICompatProvider(HttpProvider):
         done = False
         while not done:
             try:
-                async with asyncio.timeout(self._remaining(request)):
-                    data = await response.read_some()
+                self._remaining(request)
+                data = await response.read_some()  # within the deadline the response was opened with
             except TimeoutError as e:
                 self._breaker.record_failure()
                 error = self._timeout_error(request, "streaming")

@@ -9,8 +9,12 @@ decoded from ``gzip``/``deflate`` when the upstream compressed them. No redirect
 use none; the aiohttp session this replaces had them off too).
 
 Timeouts: ``connect_timeout`` bounds opening a connection and ``read_timeout`` any silence while an answer is
-awaited or read; either raises ``TimeoutError``. Everything else that goes wrong on the wire (refused, reset,
-closed before the answer ended, a malformed answer) raises :class:`~ibex_dataplane.providers.errors.TransportError`.
+awaited or read; a ``deadline`` (a ``time.monotonic()`` instant) given to :meth:`UpstreamClient.post` bounds the
+whole call as well: waiting for a pooled connection, connecting, and each wait for bytes of the answer (its head and
+its body) end at it at the latest. Each raises ``TimeoutError``. The deadline costs no timer of its own: it shortens
+the one each wait for bytes already sets, so a caller needs no ``asyncio.timeout`` around every call or read.
+Everything else that goes wrong on the wire (refused, reset, closed before the answer ended, a malformed answer)
+raises :class:`~ibex_dataplane.providers.errors.TransportError`.
 A request is never sent twice here: a reused connection that the upstream closed before answering is an error like
 any other, and the caller's retry policy decides (a ``POST`` is not idempotent).
 
@@ -161,6 +165,14 @@ class _Connection(asyncio.Protocol):
         self.eof = True
 
 
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline`` (``time.monotonic()``); ``TimeoutError`` once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError()
+    return left
+
+
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
@@ -201,10 +213,11 @@ class UpstreamClient:
         *,
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
+        deadline: float | None = None,
     ) -> UpstreamResponse:
         """Send ``POST url`` with ``body`` and ``headers`` (``Host``, ``Content-Length`` and
         ``Accept-Encoding`` are added) and return once the answer's status and headers are in; the body is read
-        from the returned response."""
+        from the returned response, within the same ``deadline`` (``time.monotonic()``; None: none)."""
         if self._closed:
             raise TransportError("the upstream client is closed")
         target = self._targets.get(url)
@@ -223,13 +236,22 @@ class UpstreamClient:
         pool = self._pools.get(target.origin)
         if pool is None:
             pool = self._pools[target.origin] = _Pool(self._limit)
-        await pool.slots.acquire()
+        if deadline is not None:
+            _left(deadline)  # already past: nothing is sent
+        if pool.slots.locked() and deadline is not None:  # every connection busy: wait, up to the deadline
+            async with asyncio.timeout(_left(deadline)):
+                await pool.slots.acquire()
+        else:
+            await pool.slots.acquire()
         conn: _Connection | None = None
         try:
-            conn = self._idle_connection(pool) or await self._connect(target.origin, connect_timeout)
+            conn = self._idle_connection(pool)
+            if conn is None:
+                timeout = connect_timeout if deadline is None else min(connect_timeout, _left(deadline))
+                conn = await self._connect(target.origin, timeout)
             assert conn.transport is not None
             conn.transport.writelines((head, body))
-            response = UpstreamResponse(self, pool, conn, read_timeout)
+            response = UpstreamResponse(self, pool, conn, read_timeout, deadline)
             await response._read_head()
             return response
         except BaseException as e:
@@ -279,11 +301,14 @@ class UpstreamResponse:
     """One answer: ``status`` and ``headers`` (names lowercased) once :meth:`UpstreamClient.post` returns, the
     body read with :meth:`read` (all of it) or :meth:`read_some` (what has arrived: the pieces of a stream)."""
 
-    def __init__(self, client: UpstreamClient, pool: _Pool, conn: _Connection, read_timeout: float) -> None:
+    def __init__(
+        self, client: UpstreamClient, pool: _Pool, conn: _Connection, read_timeout: float, deadline: float | None
+    ) -> None:
         self._client = client
         self._pool = pool
         self._conn = conn
         self._timeout = read_timeout
+        self._deadline = deadline
         self.status = 0
         self.headers: dict[str, str] = {}
         self._keep_alive = True
@@ -294,6 +319,12 @@ class UpstreamResponse:
         self._ended = False  # released or closed
         self._decoder: zlib._Decompress | None = None
 
+    def _silence(self) -> float:
+        """How long the next wait for bytes may last: the read timeout, or what is left before the deadline."""
+        if self._deadline is None:
+            return self._timeout
+        return min(self._timeout, _left(self._deadline))
+
     # -- head ---------------------------------------------------------------------------------------------------
 
     async def _read_head(self) -> None:
@@ -303,7 +334,7 @@ class UpstreamResponse:
             while end < 0:
                 if len(conn.buffer) > _MAX_HEAD:
                     raise TransportError("the upstream's answer headers are too large")
-                await conn.more(self._timeout)
+                await conn.more(self._silence())
                 end = conn.buffer.find(b"\r\n\r\n")
             head = conn.take(end + 4)[:end].decode("latin-1")
             lines = head.split("\r\n")
@@ -385,7 +416,7 @@ class UpstreamResponse:
             return await self._chunk_piece()
         if self._length is not None:
             while not conn.buffer:
-                await conn.more(self._timeout)
+                await conn.more(self._silence())
             piece = conn.take(min(self._length, len(conn.buffer)))
             self._length -= len(piece)
             self._done = self._length == 0
@@ -395,7 +426,7 @@ class UpstreamResponse:
                 self._done = True
                 return b""
             try:
-                await conn.more(self._timeout)
+                await conn.more(self._silence())
             except TransportError:
                 continue  # the upstream closed: that ends this body
         return conn.take(len(conn.buffer))
@@ -414,12 +445,12 @@ class UpstreamResponse:
                 self._done = True
                 return b""
         while not conn.buffer:
-            await conn.more(self._timeout)
+            await conn.more(self._silence())
         piece = conn.take(min(self._chunk_left, len(conn.buffer)))
         self._chunk_left -= len(piece)
         if self._chunk_left == 0:
             while len(conn.buffer) < 2:
-                await conn.more(self._timeout)
+                await conn.more(self._silence())
             if conn.take(2) != b"\r\n":
                 raise TransportError("the upstream sent a malformed chunk")
         return piece
@@ -430,7 +461,7 @@ class UpstreamResponse:
         while end < 0:
             if len(conn.buffer) > _MAX_HEAD:
                 raise TransportError("the upstream sent an over-long chunk line")
-            await conn.more(self._timeout)
+            await conn.more(self._silence())
             end = conn.buffer.find(b"\r\n")
         return conn.take(end + 2)[:-2]
 
