@@ -89,6 +89,15 @@ class Settings(BaseSettings):
             " Redis, and the next ones are admitted from that grant with no Redis call; 0 or 1 turns grants off."
         ),
     )
+    rate_grant_max_requests: int = Field(
+        default=512,
+        ge=1,
+        le=100000,
+        description=(
+            "The most requests one rate-limit grant counts: a busy agent's grant counts what it drew in the last half"
+            " second, between IBEX_RATE_GRANT_REQUESTS and this (docs/budget-leases.md)."
+        ),
+    )
     rate_grant_seconds: float = Field(
         default=1.0,
         gt=0,

@@ -236,3 +236,27 @@ async def test_two_granting_replicas_never_admit_more_than_the_limit(
     finally:
         for c in clients:
             await c.aclose()
+
+
+async def test_a_busy_agents_grants_grow_to_its_pace_and_a_burst_then_waits_on_no_top_up(
+    redis: aioredis.Redis, clock: HandClock
+) -> None:
+    """Grants of 8 at least and 64 at most, sized on what the agent drew in half a second: an agent sending a request
+    a millisecond soon counts grants of 64, and a burst of 24 concurrent requests is then drawn at once (with grants
+    of 8 each burst would drain the grant and wait for its top-up)."""
+    org, agent = uuid.uuid4(), uuid.uuid4()
+    limiter = RateLimiter(redis, clock=clock, grants=GrantSettings(8, seconds=30, most=64))
+    calls = ScriptCalls(limiter)
+    for _ in range(40):  # one request a millisecond
+        assert (await limiter.admit(org, agent, ROOMY, 10)).allowed
+        await limiter.drain()
+        clock.now += 0.001
+    grown = len(calls.by)
+    for _ in range(5):  # bursts: every request of one arrives before any top-up's reply can
+        assert all(d.allowed for d in await asyncio.gather(*(limiter.admit(org, agent, ROOMY, 10) for _ in range(24))))
+        await limiter.drain()
+        clock.now += 0.024
+    # 120 requests in bursts, at most two grants of 64 for them, each counted in the background.
+    assert len(calls.by) - grown <= 2 and set(calls.by[grown:]) <= {"ibex-rate-grant-top-up"}
+    await limiter.close()
+    assert await counts(redis, org, agent) == (160, 1600)  # exact once the rest went back

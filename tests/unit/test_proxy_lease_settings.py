@@ -1,10 +1,11 @@
-"""The budget lease settings reach the proxy's budget service (docs/budget-leases.md)."""
+"""The budget lease and rate-limit grant settings reach the proxy's budget service and rate limiter
+(docs/budget-leases.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ibex_dataplane.proxy.app import lease_settings
+from ibex_dataplane.proxy.app import grant_settings, lease_settings
 from ibex_dataplane.settings import Settings
 
 
@@ -26,3 +27,17 @@ def test_a_maximum_below_the_least_keeps_leases_at_one_size_and_zero_turns_them_
     leases = lease_settings(Settings(budget_lease_requests=64, budget_lease_max_requests=16))
     assert leases is not None and (leases.requests, leases.most) == (64, 64)
     assert lease_settings(Settings(budget_lease_requests=0)) is None
+
+
+def test_rate_grants_count_between_32_and_512_requests_by_default_and_the_environment_sets_the_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grants = grant_settings(Settings())
+    assert grants is not None
+    assert (grants.requests, grants.most, grants.seconds, grants.pace_seconds) == (32, 512, 1.0, 0.5)
+    monkeypatch.setenv("IBEX_RATE_GRANT_REQUESTS", "8")
+    monkeypatch.setenv("IBEX_RATE_GRANT_MAX_REQUESTS", "100")
+    grants = grant_settings(Settings())
+    assert grants is not None and (grants.requests, grants.most) == (8, 100)
+    assert grant_settings(Settings(rate_grant_requests=64, rate_grant_max_requests=16)).most == 64  # type: ignore[union-attr]
+    assert grant_settings(Settings(rate_grant_requests=1)) is None

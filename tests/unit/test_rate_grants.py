@@ -37,7 +37,7 @@ def test_a_new_grant_replaces_the_old_one_which_is_handed_back() -> None:
     old, new = grant(), grant()
     book.add(old)
     assert book.add(new) is old
-    assert book.take(old) is False and book.take(new) is True and book.open == 0
+    assert book.take(old, 0.0) is False and book.take(new, 0.0) is True and book.open == 0
 
 
 def test_busy_means_a_second_request_within_the_grant_seconds() -> None:
@@ -58,3 +58,45 @@ def test_busy_means_a_second_request_within_the_grant_seconds() -> None:
 def test_settings_are_checked(kw: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         GrantSettings(**kw)  # type: ignore[arg-type]
+
+
+def paced(key: str, size: int, placed_at: float) -> Grant:
+    return Grant(key, 7, size, size * 10, None, None, window_ends=60.0, drawn_until=placed_at + 30, size=size,
+                 placed_at=placed_at)  # fmt: skip
+
+
+def test_the_next_grant_counts_what_the_agent_drew_in_half_a_second_within_the_bounds() -> None:
+    book = GrantBook(GrantSettings(4, seconds=30, most=40, pace_seconds=0.5))
+    assert book.requests_for("a", 0.0) == 4  # no pace yet: the least
+    g = paced("a", 4, 0.0)
+    book.add(g)
+    for _ in range(3):
+        assert book.draw("a", 10, 0.05) is g
+    assert book.low("a", 0.1)  # a quarter left; 3 drawn in 0.1 s: 30 a second
+    assert book.requests_for("a", 0.1) == 15
+    fast = paced("a", 15, 0.1)
+    book.add(fast)
+    for _ in range(12):
+        assert book.draw("a", 10, 0.1) is fast
+    assert book.low("a", 0.101)  # 12 in a millisecond: half a second of that is far above the most
+    assert book.requests_for("a", 0.101) == 40
+    quiet = paced("a", 40, 1.0)
+    book.add(quiet)
+    assert book.draw("a", 10, 1.5) is quiet and not book.low("a", 1.5)  # low at a quarter of its own size
+    assert book.take(quiet, 31.0)  # its time is up with one draw in 30 s: the next grant counts the least
+    assert book.requests_for("a", 31.0) == 4
+    assert book.requests_for("b", 31.0) == 4  # another agent's pace is its own
+
+
+def test_after_a_larger_grant_did_not_fit_the_agent_counts_the_least_for_the_grants_seconds() -> None:
+    book = GrantBook(GrantSettings(4, seconds=1.0, most=40))
+    g = paced("a", 4, 0.0)
+    book.add(g)
+    for _ in range(3):
+        book.draw("a", 10, 0.001)
+    assert book.low("a", 0.001) and book.requests_for("a", 0.001) == 40
+    book.refused("a", 40, 5.0)
+    assert book.requests_for("a", 5.5) == 4
+    assert book.requests_for("a", 6.0) == 40  # a second later: the pace again
+    book.refused("a", 4, 7.0)  # one of the least not fitting changes no size (the request was counted alone)
+    assert book.requests_for("a", 7.1) == 40

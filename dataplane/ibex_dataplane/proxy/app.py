@@ -115,6 +115,14 @@ def lease_settings(settings: Settings) -> LeaseSettings | None:
     return LeaseSettings(least, settings.budget_lease_seconds, most=max(least, settings.budget_lease_max_requests))
 
 
+def grant_settings(settings: Settings) -> GrantSettings | None:
+    """Rate-limit grants as configured (None: off), their most at least their least."""
+    least = settings.rate_grant_requests
+    if least <= 1:
+        return None
+    return GrantSettings(least, settings.rate_grant_seconds, most=max(least, settings.rate_grant_max_requests))
+
+
 def create_app(
     settings: Settings,
     stores: Stores,
@@ -184,12 +192,7 @@ def create_app(
     )
     background = BackgroundTasks(metrics)
     budgets = BudgetService(stores.db, leases=lease_settings(settings))
-    grants = (
-        GrantSettings(settings.rate_grant_requests, settings.rate_grant_seconds)
-        if settings.rate_grant_requests > 1
-        else None
-    )
-    rate_limiter = RateLimiter(stores.redis, grants=grants)
+    rate_limiter = RateLimiter(stores.redis, grants=grant_settings(settings))
     analytics = AnalyticsRecorder(stores.clickhouse, metrics.registry, flush_interval=settings.analytics_flush_seconds)
 
     keyed = [

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from ibex_dataplane.shared.pacing import Pacing
+
 CLOCK_MARGIN = 0.05
 """Seconds before the end of its window from which a grant is not drawn from: the window end was measured by the
 Redis server a round trip ago."""
@@ -18,18 +20,27 @@ Redis server a round trip ago."""
 
 @dataclass(frozen=True)
 class GrantSettings:
-    """``requests``: a grant counts that many requests, and as many times the tokens of the request that asked.
-    ``seconds``: an agent with two requests this close together is busy enough for a grant, and a grant is drawn
-    from for at most this long before its rest goes back. ``reserve``: multiples of a grant every limited tier must
-    keep free beside it."""
+    """``requests``: a grant counts at least that many requests, and as many times the tokens of the request that
+    asked. ``most``: and at most that many; between the two, an agent's grant counts what it drew in the last
+    ``pace_seconds`` at the pace of its previous grant (0: ``requests``, always). ``seconds``: an agent with two
+    requests this close together is busy enough for a grant, and a grant is drawn from for at most this long before
+    its rest goes back. ``reserve``: multiples of a grant every limited tier must keep free beside it."""
 
     requests: int
     seconds: float = 1.0
     reserve: int = 3
+    most: int = 0  # 0: ``requests``
+    pace_seconds: float = 0.5
 
     def __post_init__(self) -> None:
         if self.requests < 2:
             raise ValueError("a grant must count at least 2 requests")
+        if self.most == 0:
+            object.__setattr__(self, "most", self.requests)
+        if self.most < self.requests:
+            raise ValueError("the most requests a grant counts must not be fewer than its requests")
+        if self.pace_seconds < 0:
+            raise ValueError("the grant pace seconds must not be negative")
         if self.seconds <= 0:
             raise ValueError("grant seconds must be positive")
         if self.reserve < 0:
@@ -46,6 +57,9 @@ class Grant:
     remaining: int | None  # that tier's requests left beside the whole grant when it was counted
     window_ends: float  # local clock
     drawn_until: float  # local clock
+    size: int = 0  # requests counted for it (a quarter of it left: time for the next one)
+    placed_at: float = 0.0  # local clock
+    draws: int = 0  # requests drawn from it: its agent's pace
 
 
 class GrantBook:
@@ -55,6 +69,7 @@ class GrantBook:
         self.settings = settings
         self._grants: dict[Hashable, Grant] = {}
         self._seen: dict[Hashable, float] = {}
+        self._pacing = Pacing(settings.requests, settings.most, settings.pace_seconds, settings.seconds)
 
     def draw(self, key: Hashable, tokens: int, now: float) -> Grant | None:
         """Take one request of ``tokens`` from the grant of ``key``, or None when it has not enough or may not be
@@ -66,12 +81,28 @@ class GrantBook:
             return None
         grant.requests -= 1
         grant.tokens -= tokens
+        grant.draws += 1
         return grant
 
-    def low(self, key: Hashable) -> bool:
-        """Whether the grant of ``key`` has a quarter of its requests left or fewer (time for the next one)."""
+    def low(self, key: Hashable, now: float) -> bool:
+        """Whether the grant of ``key`` has a quarter of its requests left or fewer: time for the next one, whose
+        size this grant's pace so far decides."""
         grant = self._grants.get(key)
-        return grant is not None and grant.requests <= self.settings.requests // 4
+        if grant is None or grant.requests > (grant.size or self.settings.requests) // 4:
+            return False
+        self._pacing.note(key, grant.draws, now - grant.placed_at)
+        return True
+
+    def requests_for(self, key: Hashable, now: float) -> int:
+        """How many requests the next grant of ``key`` counts: what the agent drew in ``pace_seconds`` at the pace
+        of its last grant, within ``requests`` and ``most``. A busy agent's grant lasts while its next one is
+        counted, however many requests arrive at once; a quiet agent's holds little of a limit."""
+        return self._pacing.size(key, now)
+
+    def refused(self, key: Hashable, requests: int, now: float) -> None:
+        """A grant of ``requests`` for ``key`` did not fit beside a limit: after a larger one than the settings'
+        ``requests``, the agent's grants count just those for ``seconds``."""
+        self._pacing.refused(key, requests, now)
 
     def seen(self, key: Hashable, now: float) -> bool:
         """Note a request of ``key``; True when another came within ``seconds`` (busy enough for a grant)."""
@@ -80,6 +111,7 @@ class GrantBook:
         if len(self._seen) > 4 * len(self._grants) + 1024:  # forget agents idle for a while; the book stays small
             horizon = 2 * self.settings.seconds
             self._seen = {k: t for k, t in self._seen.items() if now - t < horizon}
+            self._pacing.forget(now, lambda k: k in self._seen or k in self._grants)
         return last is not None and now - last < self.settings.seconds
 
     def add(self, grant: Grant) -> Grant | None:
@@ -88,11 +120,13 @@ class GrantBook:
         self._grants[grant.key] = grant
         return old
 
-    def take(self, grant: Grant) -> bool:
-        """Remove ``grant`` (its time is up); False when it was replaced or taken already."""
+    def take(self, grant: Grant, now: float) -> bool:
+        """Remove ``grant`` (its time is up: its pace sizes the next one); False when it was replaced or taken
+        already."""
         if self._grants.get(grant.key) is not grant:
             return False
         del self._grants[grant.key]
+        self._pacing.note(grant.key, grant.draws, now - grant.placed_at)
         return True
 
     @property

@@ -23,17 +23,18 @@ counted although the caller saw an error.
 
 Grants (``grants=``, off unless configured; docs/budget-leases.md): when an agent is busy in this process (two
 requests within the grant's seconds), the admit script may count a grant of N requests, and N times this request's
-token estimate, instead of the one request. It does so only when every limited tier keeps ``1 + reserve`` grants
-free beside it, so near a limit every request is counted alone, as above. The process then admits the agent's next
-requests from the grant with no Redis call, for at most the grant's seconds and never past its window's end (less a
-50 ms margin for the clock), and gives back what is left to that window. When a draw leaves a quarter of the grant
-or less, the next grant is counted in the background (a top-up: the script counts it only if it fits, and no
-request with it), so a steady stream of requests does not wait on Redis; a top-up counted in the same window takes
-over what the grant it replaces has left. So the guarantee above stands for
-admissions (what is counted is never above a limit); what changes is that a request may be denied while another
-process holds an unused grant, for at most the grant's seconds, and the ``X-RateLimit-Remaining`` of a drawn
-request is the count as of its grant. Requests drawn from a grant are admitted while Redis is unreachable, since
-Redis counted them already.
+token estimate, instead of the one request (N: what the agent drew in the last half second at the pace of its
+previous grant, within the settings' bounds, :class:`~ibex_dataplane.proxy.rate_grants.GrantBook`). It does so
+only when every limited tier keeps ``1 + reserve`` grants free beside it, so near a limit every request is counted
+alone, as above. The process then admits the agent's next requests from the grant with no Redis call, for at most
+the grant's seconds and never past its window's end (less a 50 ms margin for the clock), and gives back what is
+left to that window. When a draw leaves a quarter of the grant or less, the next grant is counted in the background
+(a top-up: the script counts it only if it fits, and no request with it), so a steady stream of requests does not
+wait on Redis; a top-up counted in the same window takes over what the grant it replaces has left. So the guarantee
+above stands for admissions (what is counted is never above a limit); what changes is that a request may be denied
+while another process holds an unused grant, for at most the grant's seconds, and the ``X-RateLimit-Remaining`` of
+a drawn request is the count as of its grant. Requests drawn from a grant are admitted while Redis is unreachable,
+since Redis counted them already.
 
 Clock: by default the script reads the Redis server's ``TIME`` (allowed in scripts since Redis 5, which replicate
 script effects), so every replica uses one clock and agrees on window boundaries and ``Retry-After`` whatever its
@@ -335,17 +336,18 @@ class RateLimiter:
             return RateDecision(True, None, None, WINDOW_SECONDS - now % WINDOW_SECONDS, None, None)
         book, key, grant_size = self._grants, (org_id, agent_id, limits), 0
         if book is not None:
-            busy = book.seen(key, self._local_now())
+            now = self._local_now()
+            busy = book.seen(key, now)
             drawn = self._draw(key, tokens)
             if drawn is None and (pending := self._granting.get(key)) is not None:
                 await asyncio.shield(pending)  # a grant is being counted for this agent: draw from it if it came
                 drawn = self._draw(key, tokens)
             if drawn is not None:
-                if key not in self._granting and book.low(key):
+                if key not in self._granting and book.low(key, now):
                     self._top_up(key, tokens)
                 return drawn
             if busy and key not in self._granting:
-                grant_size = book.settings.requests
+                grant_size = book.requests_for(key, now)
         if grant_size:
             granting = self._granting[key] = asyncio.get_running_loop().create_future()
             try:
@@ -372,7 +374,7 @@ class RateLimiter:
         assert self._grants is not None
         org_id, agent_id, limits = key
         granting = self._granting[key] = asyncio.get_running_loop().create_future()
-        size = self._grants.settings.requests
+        size = self._grants.requests_for(key, self._local_now())
 
         async def top_up() -> None:
             try:
@@ -419,12 +421,14 @@ class RateLimiter:
             (limits.org_rpm, org_requests),
         )
         reset_seconds = reset_ms / 1000
+        if book is not None and grant_size > 1 and counted < grant_size:  # the grant did not fit beside a limit
+            book.refused(key, grant_size, self._local_now())
         if counted > 1 and book is not None:
             # A grant: this request is one of them (a top-up has no request), the rest is drawn here.
             now = self._local_now()
             drawable = counted if top_up else counted - 1
             grant = Grant(key, window, drawable, drawable * tokens, limit, remaining, now + reset_seconds,
-                          now + book.settings.seconds)  # fmt: skip
+                          now + book.settings.seconds, size=counted, placed_at=now)  # fmt: skip
             if (old := book.add(grant)) is not None:
                 if top_up and old.window == window:  # counted in this window too: drawn from the new grant
                     grant.requests, grant.tokens = grant.requests + old.requests, grant.tokens + old.tokens
@@ -445,7 +449,7 @@ class RateLimiter:
         )
 
     def _expire(self, grant: Grant) -> None:
-        if self._grants is not None and self._grants.take(grant):
+        if self._grants is not None and self._grants.take(grant, self._local_now()):
             self._return(grant)
 
     def _return(self, grant: Grant) -> None:

@@ -8,13 +8,14 @@ placed under, while younger than ``seconds``; a draw never takes more than the l
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from datetime import date
 from decimal import Decimal
 from uuid import UUID
+
+from ibex_dataplane.shared.pacing import Pacing
 
 LeaseKey = tuple[UUID, UUID, date]  # org, agent, budget period
 
@@ -76,9 +77,9 @@ class LeaseBook:
         self._leases: dict[LeaseKey, list[Lease]] = {}
         self._by_id: dict[UUID, Lease] = {}
         self._seen: dict[LeaseKey, float] = {}  # when the agent last asked for a hold
-        self._refused: dict[LeaseKey, float] = {}  # when a lease for it was last refused
-        self._shrunk: dict[LeaseKey, float] = {}  # when a lease larger than ``requests`` was last refused for it
-        self._pace: dict[LeaseKey, float] = {}  # draws per second of its last lease that ran low or went back
+        self._refused: dict[LeaseKey, float] = {}  # when a lease of ``requests`` for it was last refused
+        # The pace of its last lease that ran low or went back, and when a larger lease was last refused for it.
+        self._pacing = Pacing(settings.requests, settings.most, settings.pace_seconds, settings.seconds)
 
     def draw(self, key: LeaseKey, policy: Hashable, amount: Decimal) -> tuple[Lease | None, list[Lease]]:
         """Take ``amount`` from a live lease of ``key`` placed under ``policy`` (None when none has enough), and
@@ -134,26 +135,21 @@ class LeaseBook:
         """How many worst cases the next lease of ``key`` covers: what the agent drew in ``pace_seconds`` at the pace
         of its last lease, within ``requests`` and ``most``. A busy agent places fewer, larger leases (each is a
         round trip and a commit); a quiet one keeps small ones, which hold little of a budget."""
-        settings = self.settings
-        pace = self._pace.get(key)
-        shrunk = self._shrunk.get(key)
-        if pace is None or (shrunk is not None and self._clock() - shrunk < settings.seconds):
-            return settings.requests
-        return max(settings.requests, min(settings.most, math.ceil(pace * settings.pace_seconds)))
+        return self._pacing.size(key, self._clock())
 
     def refused(self, key: LeaseKey, requests: int) -> None:
         """A lease of ``requests`` for ``key`` was refused. After a larger one than the settings' ``requests``, the
         agent's leases cover just those for ``seconds``; after one of that size, it takes none for ``seconds``."""
-        marks = self._shrunk if requests > self.settings.requests else self._refused
-        marks[key] = self._clock()
+        now = self._clock()
+        if not self._pacing.refused(key, requests, now):
+            self._refused[key] = now
 
     def _refusing(self, key: LeaseKey) -> bool:
         refused = self._refused.get(key)
         return refused is not None and self._clock() - refused < self.settings.seconds
 
     def _note_pace(self, lease: Lease) -> None:
-        if lease.draws:
-            self._pace[lease.key] = lease.draws / max(self._clock() - lease.placed_at, 1e-3)
+        self._pacing.note(lease.key, lease.draws, self._clock() - lease.placed_at)
 
     def lease(self, lease_id: UUID) -> Lease | None:
         return self._by_id.get(lease_id)
@@ -200,11 +196,10 @@ class LeaseBook:
         """Drop what is remembered about agents that have been idle for a while, so the book stays small."""
         now = self._clock()
         horizon = 2 * self.settings.seconds
-        for marks in (self._seen, self._refused, self._shrunk):
+        for marks in (self._seen, self._refused):
             for key in [k for k, t in marks.items() if now - t >= horizon and k not in self._leases]:
                 del marks[key]
-        for key in [k for k in self._pace if k not in self._seen and k not in self._leases]:
-            del self._pace[key]
+        self._pacing.forget(now, lambda k: k in self._seen or k in self._leases)
 
     @property
     def open(self) -> int:
