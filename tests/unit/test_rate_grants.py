@@ -53,6 +53,8 @@ def test_busy_means_a_second_request_within_the_grant_seconds() -> None:
         ({"requests": 1}, "at least 2"),
         ({"requests": 4, "seconds": 0}, "seconds"),
         ({"requests": 4, "reserve": -1}, "reserve"),
+        ({"requests": 4, "most": 3}, "most requests"),
+        ({"requests": 4, "pace_seconds": -1}, "pace"),
     ],
 )
 def test_settings_are_checked(kw: dict[str, float], match: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from ibex_dataplane.shared.pacing import Pacing
+from ibex_dataplane.shared.pacing import Pacing, checked_most
 
 CLOCK_MARGIN = 0.05
 """Seconds before the end of its window from which a grant is not drawn from: the window end was measured by the
@@ -35,12 +35,7 @@ class GrantSettings:
     def __post_init__(self) -> None:
         if self.requests < 2:
             raise ValueError("a grant must count at least 2 requests")
-        if self.most == 0:
-            object.__setattr__(self, "most", self.requests)
-        if self.most < self.requests:
-            raise ValueError("the most requests a grant counts must not be fewer than its requests")
-        if self.pace_seconds < 0:
-            raise ValueError("the grant pace seconds must not be negative")
+        object.__setattr__(self, "most", checked_most("a grant", self.requests, self.most, self.pace_seconds))
         if self.seconds <= 0:
             raise ValueError("grant seconds must be positive")
         if self.reserve < 0:

@@ -15,7 +15,7 @@ from datetime import date
 from decimal import Decimal
 from uuid import UUID
 
-from ibex_dataplane.shared.pacing import Pacing
+from ibex_dataplane.shared.pacing import Pacing, checked_most
 
 LeaseKey = tuple[UUID, UUID, date]  # org, agent, budget period
 
@@ -37,12 +37,7 @@ class LeaseSettings:
     def __post_init__(self) -> None:
         if self.requests < 1:
             raise ValueError("a lease must cover at least one request")
-        if self.most == 0:
-            object.__setattr__(self, "most", self.requests)
-        if self.most < self.requests:
-            raise ValueError("the most requests a lease covers must not be fewer than its requests")
-        if self.pace_seconds < 0:
-            raise ValueError("the lease pace seconds must not be negative")
+        object.__setattr__(self, "most", checked_most("a lease", self.requests, self.most, self.pace_seconds))
         if self.seconds <= 0:
             raise ValueError("lease seconds must be positive")
         if self.reserve < 0:

@@ -14,6 +14,16 @@ import math
 from collections.abc import Callable, Hashable
 
 
+def checked_most(what: str, least: int, most: int, pace_seconds: float) -> int:
+    """The ``most`` of ``what``'s settings (0: ``least``), checked with its ``pace_seconds``."""
+    most = most or least
+    if most < least:
+        raise ValueError(f"the most requests {what} covers must not be fewer than its requests")
+    if pace_seconds < 0:
+        raise ValueError(f"{what}'s pace seconds must not be negative")
+    return most
+
+
 class Pacing:
     """Each key's pace (draws per second of its last lease or grant) and when a larger one last did not fit."""
 
