@@ -38,7 +38,15 @@ from typing import Any
 import orjson
 from pydantic import Field
 
-from ibex_dataplane.providers.base import ChatRequest, ChatResponse, StreamChunk, StreamDone, StreamEvent, Usage
+from ibex_dataplane.providers.base import (
+    ChatRequest,
+    ChatResponse,
+    StreamChunk,
+    StreamDone,
+    StreamEvent,
+    Usage,
+    piece_chunks,
+)
 from ibex_dataplane.providers.breaker import CircuitBreaker
 from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.providers.errors import ProviderError, ProviderStreamInterrupted, ProviderTimeout, TransportError
@@ -330,51 +338,59 @@ class AnthropicProvider(HttpProvider):
             except TransportError as e:
                 self._breaker.record_failure()
                 raise ProviderStreamInterrupted("upstream connection broke mid-stream", provider=self._name) from e
-            for payload in decoder.feed(data) if data else decoder.flush():
-                try:
-                    event = orjson.loads(payload)
-                except orjson.JSONDecodeError as e:
-                    raise ProviderStreamInterrupted("upstream sent a malformed event", provider=self._name) from e
-                kind = event.get("type") if isinstance(event, dict) else None
-                if kind == "message_start":
-                    message = _obj(event.get("message"))
-                    if message.get("id"):
-                        completion_id = f"chatcmpl-{message['id']}"
-                    start_usage = _obj(message.get("usage"))
-                    yield chunk(delta({"role": "assistant", "content": "", "refusal": None}))
-                elif kind == "content_block_start":
-                    block = _obj(event.get("content_block"))
-                    if block.get("type") == "tool_use":
-                        tools[int(event.get("index", 0))] = len(tools)
-                        function = {"name": str(block.get("name", "")), "arguments": ""}
-                        call = {"index": len(tools) - 1, "id": str(block.get("id", "")), "type": "function",
-                                "function": function}  # fmt: skip
-                        yield chunk(delta({"tool_calls": [call]}))
-                    elif block.get("type") == "text" and block.get("text"):
-                        text.append(str(block["text"]))
-                        yield chunk(delta({"content": str(block["text"])}))
-                elif kind == "content_block_delta":
-                    d = _obj(event.get("delta"))
-                    if d.get("type") == "text_delta" and isinstance(d.get("text"), str):
-                        text.append(d["text"])
-                        yield chunk(delta({"content": d["text"]}))
-                    elif d.get("type") == "input_json_delta" and isinstance(d.get("partial_json"), str):
-                        index = tools.get(int(event.get("index", 0)))
-                        if index is not None and d["partial_json"]:
-                            text.append(d["partial_json"])
-                            piece = {"index": index, "function": {"arguments": d["partial_json"]}}
-                            yield chunk(delta({"tool_calls": [piece]}))
-                elif kind == "message_delta":
-                    d = _obj(event.get("delta"))
-                    finish_reason = _FINISH.get(str(d.get("stop_reason")), "stop")
-                    delta_usage = _obj(event.get("usage"))
-                    yield chunk(delta({}, finish_reason))
-                elif kind == "message_stop":
-                    done = True
-                    break
-                elif kind == "error":
-                    raise ProviderStreamInterrupted("upstream reported an error mid-stream", provider=self._name)
-                # ping and content_block_stop carry nothing a chat stream needs
+            ready: list[StreamChunk] = []  # this piece's chunks, yielded together (the last one not marked more)
+            try:
+                for payload in decoder.feed(data) if data else decoder.flush():
+                    try:
+                        event = orjson.loads(payload)
+                    except orjson.JSONDecodeError as e:
+                        raise ProviderStreamInterrupted("upstream sent a malformed event", provider=self._name) from e
+                    kind = event.get("type") if isinstance(event, dict) else None
+                    if kind == "message_start":
+                        message = _obj(event.get("message"))
+                        if message.get("id"):
+                            completion_id = f"chatcmpl-{message['id']}"
+                        start_usage = _obj(message.get("usage"))
+                        ready.append(chunk(delta({"role": "assistant", "content": "", "refusal": None})))
+                    elif kind == "content_block_start":
+                        block = _obj(event.get("content_block"))
+                        if block.get("type") == "tool_use":
+                            tools[int(event.get("index", 0))] = len(tools)
+                            function = {"name": str(block.get("name", "")), "arguments": ""}
+                            call = {"index": len(tools) - 1, "id": str(block.get("id", "")), "type": "function",
+                                    "function": function}  # fmt: skip
+                            ready.append(chunk(delta({"tool_calls": [call]})))
+                        elif block.get("type") == "text" and block.get("text"):
+                            text.append(str(block["text"]))
+                            ready.append(chunk(delta({"content": str(block["text"])})))
+                    elif kind == "content_block_delta":
+                        d = _obj(event.get("delta"))
+                        if d.get("type") == "text_delta" and isinstance(d.get("text"), str):
+                            text.append(d["text"])
+                            ready.append(chunk(delta({"content": d["text"]})))
+                        elif d.get("type") == "input_json_delta" and isinstance(d.get("partial_json"), str):
+                            index = tools.get(int(event.get("index", 0)))
+                            if index is not None and d["partial_json"]:
+                                text.append(d["partial_json"])
+                                piece = {"index": index, "function": {"arguments": d["partial_json"]}}
+                                ready.append(chunk(delta({"tool_calls": [piece]})))
+                    elif kind == "message_delta":
+                        d = _obj(event.get("delta"))
+                        finish_reason = _FINISH.get(str(d.get("stop_reason")), "stop")
+                        delta_usage = _obj(event.get("usage"))
+                        ready.append(chunk(delta({}, finish_reason)))
+                    elif kind == "message_stop":
+                        done = True
+                        break
+                    elif kind == "error":
+                        raise ProviderStreamInterrupted("upstream reported an error mid-stream", provider=self._name)
+                    # ping and content_block_stop carry nothing a chat stream needs
+            except ProviderStreamInterrupted:
+                for ok in piece_chunks([c.data for c in ready], more_after=True):  # the events before the broken one
+                    yield ok
+                raise
+            for ok in piece_chunks([c.data for c in ready], more_after=done):
+                yield ok
             if not data and not done:
                 raise ProviderStreamInterrupted("upstream closed the stream early", provider=self._name)
         finished.append(True)

@@ -10,7 +10,9 @@ Streaming contract
 normal ``ProviderError`` and the proxy can still answer with a proper HTTP status. The value it yields is an
 async iterator of ``StreamEvent``: ``StreamChunk`` for each SSE ``data:`` payload (serialized JSON of one
 ``chat.completion.chunk``, forwarded as ``b"data: " + chunk.data + b"\\n\\n"``), then exactly one
-``StreamDone`` with the usage. Providers never yield the ``[DONE]`` sentinel; the proxy writes it. An error after
+``StreamDone`` with the usage. A chunk marked ``more`` is followed by another event without a wait on the network
+(the upstream sent them together): the proxy writes such runs to its client at once, in one write. Providers never
+yield the ``[DONE]`` sentinel; the proxy writes it. An error after
 the first chunk raises ``ProviderStreamInterrupted`` (or ``ProviderTimeout``) from the iterator. Leaving the
 ``async with`` block, normally, by an exception, or by cancellation (client disconnect), closes the upstream
 response at once::
@@ -26,7 +28,7 @@ response at once::
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -42,6 +44,7 @@ __all__ = [
     "StreamDone",
     "StreamEvent",
     "Usage",
+    "piece_chunks",
 ]
 
 
@@ -116,9 +119,19 @@ class ChatResponse:
 
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
-    """One SSE ``data:`` payload: serialized JSON of a ``chat.completion.chunk``, without prefix or newlines."""
+    """One SSE ``data:`` payload: serialized JSON of a ``chat.completion.chunk``, without prefix or newlines.
+    ``more``: the provider has the stream's next event already (the same piece of the upstream's answer held it), so
+    a relay may hold this chunk back and write both at once: the next event comes without waiting on the network."""
 
     data: bytes
+    more: bool = False
+
+
+def piece_chunks(ready: Sequence[bytes], *, more_after: bool) -> list[StreamChunk]:
+    """The chunks of one piece of an upstream's answer: each marked ``more`` but the last, and the last one too when
+    ``more_after`` (another event follows it without a wait, such as the stream's end)."""
+    last = len(ready) - 1
+    return [StreamChunk(data, more=i < last or more_after) for i, data in enumerate(ready)]
 
 
 @dataclass(frozen=True, slots=True)

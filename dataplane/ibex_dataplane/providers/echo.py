@@ -120,7 +120,7 @@ class EchoProvider:
             }
             if include_usage:
                 body["usage"] = _usage_body(usage) if usage is not None else None
-            return StreamChunk(orjson.dumps(body))
+            return StreamChunk(orjson.dumps(body), more=True)  # the whole answer is here: StreamDone follows at once
 
         def delta(d: dict[str, Any], finish_reason: str | None = None) -> list[dict[str, Any]]:
             return [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}]

@@ -27,10 +27,10 @@ from ibex_dataplane.providers.base import (
     ChatResponse,
     EmbeddingRequest,
     EmbeddingResponse,
-    StreamChunk,
     StreamDone,
     StreamEvent,
     Usage,
+    piece_chunks,
 )
 from ibex_dataplane.providers.breaker import CircuitBreaker
 from ibex_dataplane.providers.catalog import ModelCatalog
@@ -160,33 +160,41 @@ class OpenAICompatProvider(HttpProvider):
                 self._breaker.record_failure()
                 raise ProviderStreamInterrupted("upstream connection broke mid-stream", provider=self._name) from e
             payloads = decoder.feed(data) if data else decoder.flush()
-            for payload in payloads:
-                if payload == _DONE:
-                    done = True
-                    break
-                try:
-                    chunk = orjson.loads(payload)
-                except orjson.JSONDecodeError as e:
-                    raise ProviderStreamInterrupted("upstream sent a malformed chunk", provider=self._name) from e
-                if not isinstance(chunk, dict):
-                    raise ProviderStreamInterrupted("upstream sent a malformed chunk", provider=self._name)
-                if "error" in chunk and not chunk.get("choices"):
-                    raise ProviderStreamInterrupted("upstream reported an error mid-stream", provider=self._name)
-                choices = chunk.get("choices")
-                if isinstance(choices, list):
-                    for choice in choices:
-                        if isinstance(choice, dict):
-                            finish_reason = choice.get("finish_reason") or finish_reason
-                            _collect_delta(choice.get("delta"), completion)
-                reported = _reported_usage(chunk.get("usage"))
-                if reported is not None:
-                    usage = reported
-                    if not client_wants_usage:
-                        if not choices:
-                            continue  # the usage-only chunk the client did not ask for
-                        del chunk["usage"]
-                        payload = orjson.dumps(chunk)
-                yield StreamChunk(payload)
+            ready: list[bytes] = []  # this piece's chunks, yielded together (the last one not marked more)
+            try:
+                for payload in payloads:
+                    if payload == _DONE:
+                        done = True
+                        break
+                    try:
+                        chunk = orjson.loads(payload)
+                    except orjson.JSONDecodeError as e:
+                        raise ProviderStreamInterrupted("upstream sent a malformed chunk", provider=self._name) from e
+                    if not isinstance(chunk, dict):
+                        raise ProviderStreamInterrupted("upstream sent a malformed chunk", provider=self._name)
+                    if "error" in chunk and not chunk.get("choices"):
+                        raise ProviderStreamInterrupted("upstream reported an error mid-stream", provider=self._name)
+                    choices = chunk.get("choices")
+                    if isinstance(choices, list):
+                        for choice in choices:
+                            if isinstance(choice, dict):
+                                finish_reason = choice.get("finish_reason") or finish_reason
+                                _collect_delta(choice.get("delta"), completion)
+                    reported = _reported_usage(chunk.get("usage"))
+                    if reported is not None:
+                        usage = reported
+                        if not client_wants_usage:
+                            if not choices:
+                                continue  # the usage-only chunk the client did not ask for
+                            del chunk["usage"]
+                            payload = orjson.dumps(chunk)
+                    ready.append(payload)
+            except ProviderStreamInterrupted:
+                for ok in piece_chunks(ready, more_after=True):  # what came before the broken event still goes out
+                    yield ok
+                raise
+            for ok in piece_chunks(ready, more_after=done):
+                yield ok
             if not data and not done:
                 if finish_reason is None:
                     raise ProviderStreamInterrupted("upstream closed the stream early", provider=self._name)

@@ -2,7 +2,9 @@
 
 :func:`relay` opens the provider stream (everything that can fail before the first byte fails there, and the
 client still gets a proper HTTP status), then forwards each ``chat.completion.chunk`` through the edge's encoder
-(Chat Completions chunks, Responses ``response.*`` events or Anthropic Messages events). A provider failure after
+(Chat Completions chunks, Responses ``response.*`` events or Anthropic Messages events). The first event is written
+at once; after it, events the upstream sent together (chunks marked ``more``) are written together, one write for a
+run instead of one per event, and the last ones with the stream's end. A provider failure after
 the first byte closes the stream with the edge's error frames. A client disconnect cancels the task, which leaves
 the provider's context and so closes the upstream connection at once. Whatever was served is accounted: the
 provider's usage, or a conservative estimate of what was forwarded.
@@ -61,28 +63,31 @@ async def relay(
             encoder = edge.encoder(ctx)
             await response.prepare(state.request)
             finish_reason: str | None = None
+            held: list[bytes] = []  # frames of chunks marked ``more``: written with the next ones, in one write
+            first = True
             try:
                 async for event in events:
                     if isinstance(event, StreamChunk):
                         digest.update(event.data)
                         forwarded.append(event.data)
-                        for frame in encoder.chunk(event.data):
-                            await response.write(frame)
+                        held += encoder.chunk(event.data)
+                        if held and (first or not event.more):  # the first event goes out at once, alone
+                            await response.write(b"".join(held))
+                            held.clear()
+                            first = False
                     elif isinstance(event, StreamDone):
                         usage, served_by, plan.provider = event.usage, event.model, event.provider
                         finish_reason = event.finish_reason
             except ProviderError as e:
                 upstream_failed = True
                 metrics.provider_calls.labels(e.provider, e.code).inc()
-                for frame in encoder.error(e.code, e.message, state.request_id):
-                    await response.write(frame)
+                await response.write(b"".join([*held, *encoder.error(e.code, e.message, state.request_id)]))
             else:
                 frames = encoder.finish(usage, finish_reason)
                 final = encoder.final()
                 if final is not None:  # kept before the last event, so a retrieval right after finds it
                     await keep_answer(edge, state, final, metrics)
-                for frame in frames:
-                    await response.write(frame)
+                await response.write(b"".join([*held, *frames]))
             await response.write_eof()
     except ProviderError as e:
         metrics.provider_calls.labels(e.provider, e.code).inc()
