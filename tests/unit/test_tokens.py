@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ibex_dataplane.providers.tokens import (
@@ -11,10 +14,12 @@ from ibex_dataplane.providers.tokens import (
     TokenEstimate,
     TokenEstimateKind,
     TokenizerFamily,
+    directive_allowance,
     estimate_chat_tokens,
     estimate_text_tokens,
     truncate_to_tokens,
 )
+from ibex_dataplane.shared.directives import inject_directive
 
 OPENAI_FAMILIES = (TokenizerFamily.OPENAI_O200K, TokenizerFamily.OPENAI_CL100K)
 
@@ -181,3 +186,52 @@ def test_estimates_of_different_kinds_or_families_cannot_be_added() -> None:
         _ = a + TokenEstimate(10, TokenEstimateKind.BYTE_UPPER_BOUND, TokenizerFamily.GENERIC)
     with pytest.raises(ValueError, match="different kinds"):
         _ = a + TokenEstimate(10, TokenEstimateKind.HEURISTIC_UPPER_BOUND, TokenizerFamily.OPENAI_CL100K)
+
+
+_TEXTS = st.text(alphabet=st.sampled_from("aZ09 .\n\té€𝄞-_{}"), max_size=40) | st.text(max_size=40)
+_CONTENT = st.one_of(
+    st.none(),
+    _TEXTS,
+    st.lists(
+        st.one_of(
+            st.builds(lambda t: {"type": "text", "text": t}, _TEXTS),
+            st.just({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}),
+        ),
+        max_size=3,
+    ),
+)
+_MESSAGES = st.lists(
+    st.builds(
+        lambda role, content: {"role": role, "content": content},
+        st.sampled_from(["system", "developer", "user", "assistant"]),
+        _CONTENT,
+    ),
+    max_size=5,
+)
+
+
+@dataclass(frozen=True)
+class _Directive:
+    content: str
+    injection_mode: str
+
+
+@settings(max_examples=400, deadline=None)
+# A chat capped at its bytes (a lone digit costs more by the rule than its one byte) with prose for a directive: the
+# case a sum of the two estimates alone would under-count.
+@example([{"role": "user", "content": "1"}], "hello world", "SystemFirst", TokenizerFamily.OPENAI_O200K)
+@example([{"role": "user", "content": "7"}], "be brief", "UserPrepend", TokenizerFamily.ANTHROPIC)
+@given(
+    _MESSAGES,
+    _TEXTS,
+    st.sampled_from(["SystemFirst", "SystemAppend", "UserPrepend"]),
+    st.sampled_from(list(TokenizerFamily)),
+)
+def test_a_directive_never_adds_more_than_its_allowance_however_it_is_injected(
+    messages: list[dict[str, Any]], text: str, mode: str, family: TokenizerFamily
+) -> None:
+    """The budget hold adds ``directive_allowance`` to the client's chat estimate instead of estimating the chat
+    with the directive in it a second time: that must stay an upper bound of the second estimate."""
+    sent = inject_directive(messages, _Directive(text, mode))
+    with_directive = estimate_chat_tokens(sent, family).tokens
+    assert with_directive <= estimate_chat_tokens(messages, family).tokens + directive_allowance(text, family)

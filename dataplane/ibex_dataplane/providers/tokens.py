@@ -47,6 +47,7 @@ text joined once: about 4 us for a short chat and 4-6 ns per byte beyond (``benc
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ __all__ = [
     "TokenEstimate",
     "TokenEstimateKind",
     "TokenizerFamily",
+    "directive_allowance",
     "estimate_chat_tokens",
     "estimate_text_tokens",
     "estimate_utf8_tokens",
@@ -195,6 +197,11 @@ _HIGH_RUNS: Final = _mark_table(bytes(range(0x80, 0x100)), ord("h"), ord(" "))
 
 def _heuristic(data: bytes, texts: int, w: _Weights) -> int:
     """Apply the byte-class rule to ``data`` (``texts`` separately encoded texts joined together)."""
+    return min(math.ceil(_heuristic_raw(data, texts, w)), len(data))
+
+
+def _heuristic_raw(data: bytes, texts: int, w: _Weights) -> float:
+    """The byte-class rule's sum over ``data``, before rounding up and the byte-length cap."""
     classes = data.translate(_CLASSES)
     lower = classes.count(b"a")
     upper = classes.count(b"A")
@@ -217,7 +224,7 @@ def _heuristic(data: bytes, texts: int, w: _Weights) -> int:
     )
     if high:
         total += w.high_byte * high + w.high_run * len(data.translate(_HIGH_RUNS).split())
-    return min(math.ceil(total), len(data))
+    return total
 
 
 def estimate_utf8_tokens(data: bytes, family: TokenizerFamily, *, texts: int = 1) -> int:
@@ -228,6 +235,26 @@ def estimate_utf8_tokens(data: bytes, family: TokenizerFamily, *, texts: int = 1
     if weights is None:
         return len(data)
     return _heuristic(data, texts, weights)
+
+
+@functools.lru_cache(maxsize=1024)
+def directive_allowance(text: str, family: TokenizerFamily) -> int:
+    """Tokens ``text`` can add to a chat's estimate, however a directive is injected into it: as a message of its
+    own, appended or prepended to a message's text with a blank line, or as a part of its own (an upper bound: the
+    estimate of the chat with the directive never exceeds the estimate without it plus this).
+
+    Why it holds: the directive adds its bytes and at most two line breaks to the joined text, its run counts and one
+    text, all of which the rule counts additively, and at most one message. The rule caps the whole estimate at the
+    byte length, and for any a, b, c, d: ``min(a + b, c + d) <= min(a, c) + max(b, d)``, so the larger of the
+    directive's own heuristic and its byte length covers it whether the chat's estimate was capped or not. Cached:
+    a directive's text repeats on every request of its agent."""
+    data = text.encode("utf-8")
+    weights = _WEIGHTS.get(family)
+    separators = 2  # the blank line between the directive and a message's text, or the joiner of a new text
+    if weights is None:
+        return len(data) + separators + MESSAGE_OVERHEAD
+    heuristic = _heuristic_raw(data, 1, weights) + separators * weights.newline
+    return max(math.ceil(heuristic), len(data) + separators) + MESSAGE_OVERHEAD
 
 
 def estimate_text_tokens(text: str, family: TokenizerFamily) -> int:

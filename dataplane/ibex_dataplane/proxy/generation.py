@@ -23,7 +23,7 @@ from ibex_dataplane.providers.base import ChatRequest, EmbeddingRequest
 from ibex_dataplane.providers.catalog import ModelCatalog, ModelInfo, ModelKind
 from ibex_dataplane.providers.errors import ProviderError
 from ibex_dataplane.providers.registry import ProviderRegistry
-from ibex_dataplane.providers.tokens import estimate_chat_tokens
+from ibex_dataplane.providers.tokens import directive_allowance, estimate_chat_tokens
 from ibex_dataplane.proxy.accounting import Accounting, GenerationPlan, content_digest, plan_of
 from ibex_dataplane.proxy.capture import answer_text, observed_at_of
 from ibex_dataplane.proxy.context import SKIP_HEADER, ContextClient
@@ -243,11 +243,11 @@ def budget_hold(
         directive = await directives.active(caller.org_id, agent.id) if plan.model.kind is ModelKind.CHAT else None
         prompt = plan.prompt_tokens
         if directive is not None:
-            tools = plan.body.get("tools")
             sent = inject_directive(plan.body["messages"], directive)
             state.extra[_DIRECTED] = (directive, sent)  # the next gate sends these: no second lookup
-            prompt = max(prompt, estimate_chat_tokens(sent, plan.model.tokenizer_family,
-                                                      tools if isinstance(tools, list) else None).tokens)  # fmt: skip
+            # The rate-limit gate's estimate of the client's messages, plus what the directive can add to it (an
+            # upper bound, whichever way it is injected): the chat is not estimated a second time.
+            prompt += directive_allowance(directive.content, plan.model.tokenizer_family)
         elif plan.model.kind is ModelKind.CHAT:
             state.extra[_DIRECTED] = None
         if plan.model.kind is ModelKind.CHAT:
