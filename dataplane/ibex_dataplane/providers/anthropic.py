@@ -315,12 +315,12 @@ class AnthropicProvider(HttpProvider):
         finish_reason: str | None = None
         done = False
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> StreamChunk:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             out: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
                                    "model": request.model, "system_fingerprint": None, "choices": choices}  # fmt: skip
             if include_usage:
                 out["usage"] = usage
-            return StreamChunk(orjson.dumps(out))
+            return orjson.dumps(out)
 
         def delta(d: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
             return [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
@@ -338,7 +338,7 @@ class AnthropicProvider(HttpProvider):
             except TransportError as e:
                 self._breaker.record_failure()
                 raise ProviderStreamInterrupted("upstream connection broke mid-stream", provider=self._name) from e
-            ready: list[StreamChunk] = []  # this piece's chunks, yielded together (the last one not marked more)
+            ready: list[bytes] = []  # this piece's chunks, yielded together (the last one not marked more)
             try:
                 for payload in decoder.feed(data) if data else decoder.flush():
                     try:
@@ -386,10 +386,10 @@ class AnthropicProvider(HttpProvider):
                         raise ProviderStreamInterrupted("upstream reported an error mid-stream", provider=self._name)
                     # ping and content_block_stop carry nothing a chat stream needs
             except ProviderStreamInterrupted:
-                for ok in piece_chunks([c.data for c in ready], more_after=True):  # the events before the broken one
+                for ok in piece_chunks(ready, more_after=True):  # the events before the broken one
                     yield ok
                 raise
-            for ok in piece_chunks([c.data for c in ready], more_after=done):
+            for ok in piece_chunks(ready, more_after=done):
                 yield ok
             if not data and not done:
                 raise ProviderStreamInterrupted("upstream closed the stream early", provider=self._name)
@@ -398,5 +398,5 @@ class AnthropicProvider(HttpProvider):
         if usage is None:
             usage = self._estimate_usage(request, "".join(text))
         if include_usage:
-            yield chunk([], _usage_body(usage, cached))
+            yield StreamChunk(chunk([], _usage_body(usage, cached)))
         yield StreamDone(usage, finish_reason, request.model, self._name)
