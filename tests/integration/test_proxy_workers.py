@@ -32,8 +32,9 @@ from ibex_dataplane.providers.catalog import ModelCatalog
 from ibex_dataplane.providers.tokens import TokenizerFamily, estimate_chat_tokens
 from ibex_dataplane.runtime.embedded import EmbeddedRuntime
 from ibex_dataplane.runtime.stores import Stores
-from ibex_dataplane.store.clickhouse import ClickHouse
+from ibex_dataplane.store.clickhouse import ENGINE_NICE, ClickHouse
 from ibex_dataplane.store.migrations import default_migrations_dir, migrate_clickhouse
+from tests.integration.test_clickhouse_priority import thread_nices
 from tests.integration.test_dashboard import WORKER_ONLY, queried
 from tests.integration.test_proxy_replicas import post_chat, start_of_a_fresh_window
 from tests.support.processes import IbexProcess, child_processes, ibex_process
@@ -178,6 +179,29 @@ async def test_a_chat_completion_answers_on_either_worker(proxy: IbexProcess, te
                 assert r.status == 200
                 reply = await r.json()
             assert "Hello there" in reply["choices"][0]["message"]["content"]
+
+
+async def test_the_supervisor_serves_the_engine_at_the_lowest_priority_and_nothing_else_runs_at_it(
+    proxy: IbexProcess, tenants: TenantFactory
+) -> None:
+    t = await tenants.create(agents=("solo",), agent_spec={"memory": {"enabled": False}})
+    headers = {"Authorization": f"Bearer {t.keys['solo']}", "X-IBEX-Agent-ID": str(t.agents["solo"])}
+    async with fresh_connections() as http:  # its analytics row makes a worker's flush call the engine
+        body = {"model": "echo", "messages": [{"role": "user", "content": "Hello there"}]}
+        async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+
+    async def engine_lowered() -> bool:
+        return ENGINE_NICE in thread_nices(proxy.proc.pid).values()
+
+    await until(engine_lowered, "the supervisor's engine threads at the lowest priority")
+    default = os.getpriority(os.PRIO_PROCESS, 0)  # what the proxy's processes inherit from this one
+    assert default != ENGINE_NICE
+    assert thread_nices(proxy.proc.pid)[proxy.proc.pid] == default  # the supervisor's own thread
+    workers = worker_pids(proxy.proc.pid)
+    assert len(workers) == 2
+    for pid in workers:
+        assert set(thread_nices(pid).values()) == {default}
 
 
 async def test_two_workers_never_admit_more_than_the_rpm_limit_in_total(

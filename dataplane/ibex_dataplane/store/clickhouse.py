@@ -3,7 +3,9 @@
 The client is synchronous, so calls never run on the event loop. Over HTTP they run on one worker thread (the
 socket I/O releases the GIL). The embedded chdb engine, however, holds the GIL for milliseconds at a time, which
 would stall every request of the process, so for ``chdb://`` URLs the engine lives in a dedicated child process
-and calls are shipped to it (arguments and results are plain picklable values).
+and calls are shipped to it (arguments and results are plain picklable values). Wherever it runs, the embedded
+engine runs at the lowest CPU priority (:data:`ENGINE_NICE`), so that its bursts of work wait for a free core
+instead of taking one from the requests beside it.
 
 Inserted rows travel as one bytes block in ClickHouse's ``JSONCompactEachRow`` format, encoded on the event loop
 by orjson in slices that yield to the loop between them (:func:`json_rows`), and parsed by ClickHouse. Handing the
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -65,6 +68,19 @@ def org_query(sql: str, org_id: UUID, **parameters: Any) -> OrgQuery:
     if not _ORG_FILTER.search(sql):
         raise TenantKeyError("ClickHouse query must filter with 'org_id = {org_id:UUID}'")
     return OrgQuery(sql=sql, parameters={**parameters, "org_id": org_id})
+
+
+ENGINE_NICE = 19
+"""The embedded engine's CPU priority (a nice value; 19 is the lowest). Its inserts are bursts of work on several
+threads (parsing a batch, writing and merging parts) that, at the default priority, take cores away from the
+requests of the process beside it; analytics can wait for a free core (``bench/results/proxy_overhead.txt``)."""
+
+
+def lower_priority() -> None:
+    """Run the calling thread, and the threads it starts, at :data:`ENGINE_NICE` (Linux keeps a nice value per
+    thread; a new thread takes its creator's). Lowering one's own priority needs no privilege."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: a platform without setpriority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ENGINE_NICE)
 
 
 # -- the calls, as top-level functions so they can run in a child process ------------------------------------------
@@ -181,6 +197,7 @@ class EngineServer:
     def _serve(self, conn: Connection) -> None:
         from clickhouse_connect.driver.exceptions import OperationalError
 
+        lower_priority()  # the engine opens in one of these threads, and its own threads start from it
         with conn:
             while True:
                 try:
@@ -259,7 +276,9 @@ class ClickHouse:
 
     def _new_executor(self) -> Executor:
         if self._url.startswith("chdb:") and self._remote is None:
-            return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            return ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=lower_priority
+            )
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="clickhouse")
 
     def _replace(self, broken: Executor) -> None:
