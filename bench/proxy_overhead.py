@@ -4,7 +4,8 @@ Starts, as separate processes: a local OpenAI-compatible upstream that answers a
 Postgres and Valkey, migrations, one tenant with a directive, rate limits and a HardCap budget) routing a catalog
 model to that upstream. Then, from this process, it sends the same chat request directly to the upstream and
 through the proxy (key, agent binding, policy, rate limit, validation, budget hold, directive; memory off) and
-reports the added latency (p50/p95/p99 of proxy minus direct) and requests/s through the proxy.
+reports the added latency (p50/p95/p99 of proxy minus direct) and requests/s through the proxy, and the CPU each
+process (the proxy, its children, the upstream, this client, Postgres, Valkey) spent per request in each phase.
 
 Run from the repository root:  .venv/bin/python -m bench.proxy_overhead [--requests N] [--concurrency C]
 
@@ -243,9 +244,15 @@ async def measure(
     async with aiohttp.ClientSession(connector=connector) as http:
         for url, headers in targets.values():  # warm up every path
             await timed(http, url, headers, WARM_UP)
+        sequential_ticks: dict[str, dict[str, int]] = {name: {} for name in targets}
         for _ in range(args.rounds):  # interleave rounds so drift hits every side alike
             for name, (url, headers) in targets.items():
+                roots = {"upstream": pids["upstream"], **({"proxy": pids[name]} if name in pids else {})}
+                before = tree_ticks(roots, STORES)
                 latencies[name] += await timed(http, url, headers, args.requests // args.rounds)
+                for role, ticks in tree_ticks(roots, STORES).items():  # what each process spent in this round
+                    spent = sequential_ticks[name]
+                    spent[role] = spent.get(role, 0) + ticks - before.get(role, 0)
         expected = STREAM_PIECE * args.stream_events
         for url, headers in streamers.values():
             await timed_stream(http, url, headers, WARM_UP // 10, expected)
@@ -263,8 +270,10 @@ async def measure(
             finally:
                 if profiler is not None:
                     profile_stop(profiler)
+    sequential = args.requests // args.rounds * args.rounds
     return {
-        name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name], values, cpu[name])
+        name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name], values, cpu[name],
+               {k: v * 1000 for k, v in cpu_ms_per_call({}, sequential_ticks[name], sequential).items()})
         for name, values in latencies.items()
     }, {name: pairs for name, pairs in streams.items() if pairs}  # none when fewer answers than rounds were asked
 
@@ -472,7 +481,7 @@ def main() -> None:
     direct = result["direct"][0]
     print(f"{'':10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}  {'added p50':>10}{'added p95':>10}{'added p99':>10}"
           "  req/s  errors")  # fmt: skip
-    for name, (lat, rps, errors, _, _) in result.items():
+    for name, (lat, rps, errors, *_) in result.items():
         added = [lat[p] - direct[p] for p in (50, 95, 99)]
         print(f"{name:10}{lat[50]:9.3f}{lat[95]:9.3f}{lat[99]:9.3f}  {added[0]:10.3f}{added[1]:10.3f}{added[2]:10.3f}"
               f"  {rps:7.0f}  {errors:6d}")  # fmt: skip
@@ -489,11 +498,18 @@ def main() -> None:
         "CPU per request of the throughput phase, core-microseconds by process (proxy: the process serving the "
         "target; its children: the processes it started, such as workers and the ClickHouse engine):"
     )
-    for name, (*_, cpu) in result.items():
+    for name, (*_, cpu, _) in result.items():
         print(f"  {name:10}" + ", ".join(f"{role} {us:.0f}" for role, us in cpu.items()))
-    for name, (_, rps, errors, samples, cpu) in result.items():
+    print(
+        "CPU per request of the sequential phase, the same way: with one request at a time, what the stores and the"
+        " proxy's background work (settles, analytics) spend beside each request is not spread over a crowd:"
+    )
+    for name, (*_, sequential_cpu) in result.items():
+        print(f"  {name:10}" + ", ".join(f"{role} {us:.0f}" for role, us in sequential_cpu.items()))
+    for name, (_, rps, errors, samples, cpu, sequential_cpu) in result.items():
         figures.put(f"targets.{name}", {"latency": latency(samples, samples=True), "rps": rps, "errors": errors,
-                                        "cpu_us_per_request": cpu})  # fmt: skip
+                                        "cpu_us_per_request": cpu,
+                                        "sequential_cpu_us_per_request": sequential_cpu})  # fmt: skip
         if name != "direct":
             figures.put(f"added.{name}", {f"p{p}": result[name][0][p] - direct[p] for p in (50, 95, 99)})
     if "litellm" in result:
@@ -505,7 +521,7 @@ def main() -> None:
     if streams:
         report_streams(streams, args, figures)
     for n in args.workers:  # `ibex proxy --workers N` alone (the "ibex" target is `ibex dev`, every stage in one)
-        _, rps, errors, _, _ = result[f"workers={n}"]
+        _, rps, errors, *_ = result[f"workers={n}"]
         figures.put(f"workers.{n}", {"rps": rps, "errors": errors})
     if stages is not None:
         print(f"where the proxy's time went, the {sequential} sequential requests through `ibex dev`, server side "

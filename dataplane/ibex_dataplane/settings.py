@@ -106,12 +106,13 @@ class Settings(BaseSettings):
     )
 
     settle_gather_ms: float = Field(
-        default=5.0,
+        default=20.0,
         ge=0,
         le=1000,
         description=(
-            "An agent's first served answer waits this long before its settle statement goes out, so that the"
-            " answers of a client sending one request after another are settled together; 0 sends it at once."
+            "A settle statement goes out once the oldest served answer it takes has waited this long (or once it"
+            " holds 64), so that the answers of a client sending one request after another are settled together;"
+            " 0 sends each as soon as the agent's statement in flight returns."
         ),
     )
 

@@ -192,3 +192,48 @@ async def test_with_a_gather_window_answers_arriving_one_after_another_share_one
     assert await transactions(stores, t.org_id) == 1
     spent = sum((Decimal("0.01") * (i + 1) for i in range(5)), Decimal(0))
     assert await period(stores, t.org_id, agent) == (spent, Decimal(0))
+
+
+class HeldSessions(SessionService):
+    """A :class:`SessionService` whose first settle statement waits for ``release``; records when each statement
+    was sent (loop time) and which answers it took."""
+
+    def __init__(self, stores: Stores) -> None:
+        super().__init__(stores.db)
+        self.release = asyncio.Event()
+        self.first_sent = asyncio.Event()
+        self.first_returned = asyncio.Event()
+        self.sent: list[tuple[float, list[str]]] = []
+
+    async def settle_and_record_turns(self, org_id: UUID, agent_id: UUID, answers: Any) -> Any:
+        self.sent.append((asyncio.get_running_loop().time(), [turn.request_id for _, turn in answers]))
+        if len(self.sent) == 1:
+            self.first_sent.set()
+            await self.release.wait()
+        written = await super().settle_and_record_turns(org_id, agent_id, answers)
+        self.first_returned.set()
+        return written
+
+
+async def test_with_a_gather_window_every_statement_waits_for_its_oldest_answers_window_not_only_the_first(
+    tenants: TenantFactory, stores: Stores
+) -> None:
+    """The answers that come while a statement is in flight do not go out the moment it returns: they wait out the
+    window of the oldest of them, and what comes meanwhile joins them (before, a client sending one request after
+    another was settled one or two answers per statement once the first window had passed)."""
+    t = await tenants.create(directive=None)
+    batch = await answers(stores, t, [f"w{i}" for i in range(3)])
+    spawn, sessions, gather = Spawned(), HeldSessions(stores), 0.2
+    settles = AnswerSettles(sessions, BudgetService(stores.db), spawn, lambda: None, gather_s=gather)
+    loop = asyncio.get_running_loop()
+    settles.add(*batch[0])
+    await sessions.first_sent.wait()  # the first answer's window passed and its statement went out (held)
+    came = loop.time()
+    settles.add(*batch[1])  # comes while the first statement is in flight
+    sessions.release.set()
+    await sessions.first_returned.wait()
+    settles.add(*batch[2])  # comes after it returned: within the second answer's window
+    await spawn.drained()
+    assert [taken for _, taken in sessions.sent] == [["req-0"], ["req-1", "req-2"]]
+    assert sessions.sent[1][0] - came >= gather - 0.01  # the loop's timers may fire a clock tick early
+    assert await transactions(stores, t.org_id) == 2

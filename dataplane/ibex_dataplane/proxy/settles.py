@@ -5,9 +5,11 @@ that agent that finish meanwhile wait and go together in the next one. An idle p
 before; a busy one sends a batch per commit, so the agent's and the org's budget rows, which every budget hold
 also takes, are locked once per batch instead of once per answer. Nothing here delays the answer itself.
 
-With a gather window (``IBEX_SETTLE_GATHER_MS``), an agent's first answer waits that long before its statement is
-sent, so that the answers of a client sending one request after another also go together (an idle proxy's
-answers then reach the ledger that much later; their holds cover them meanwhile).
+With a gather window (``IBEX_SETTLE_GATHER_MS``), a statement goes out once the oldest answer it takes has waited
+that long (or once it is full), so that the answers of a client sending one request after another also go together:
+each of them is sent at most the window after it came (or when the statement in flight returns, if that is later),
+and its hold covers it meanwhile. Without a window, the answers that came while a statement was in flight go out as
+soon as it returns, so a client sending one request after another was settled in statements of one or two answers.
 
 When a statement fails it is unknown whether it committed: each of its answers is settled again alone
 (idempotent, retried until Postgres is back, so no money is lost, :meth:`BudgetService.settle_again`), and its
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 from uuid import UUID
@@ -32,6 +35,16 @@ Answer = tuple[Settlement, Turn]
 
 MAX_BATCH = 64
 """Answers per statement at most: a longer queue goes in several, one after the other."""
+
+
+class _Queue:
+    """An agent's answers waiting for its writer, and when the oldest of them arrived (loop time)."""
+
+    __slots__ = ("answers", "since")
+
+    def __init__(self, first: Answer, now: float) -> None:
+        self.answers = [first]
+        self.since = now
 
 
 class AnswerSettles:
@@ -55,26 +68,34 @@ class AnswerSettles:
         self._checkpoint_failed = on_checkpoint_failed
         self._max_batch = max_batch
         self._gather_s = gather_s
-        self._waiting: dict[tuple[UUID, UUID], list[Answer]] = {}
+        self._waiting: dict[tuple[UUID, UUID], _Queue] = {}
 
     def add(self, settlement: Settlement, turn: Turn) -> None:
         """Settle and checkpoint this answer: now when nothing of its agent is in flight, else with the next batch."""
         key = (settlement.hold.org_id, settlement.hold.agent_id)
-        waiting = self._waiting.get(key)
-        if waiting is not None:  # that agent's writer is running; it takes this answer next
-            waiting.append((settlement, turn))
+        queue = self._waiting.get(key)
+        if queue is not None:  # that agent's writer is running; it takes this answer next
+            if not queue.answers:
+                queue.since = asyncio.get_running_loop().time()
+            queue.answers.append((settlement, turn))
             return
-        self._waiting[key] = [(settlement, turn)]
+        self._waiting[key] = _Queue((settlement, turn), asyncio.get_running_loop().time())
         self._spawn("settle", self._write_all(key))
 
     async def _write_all(self, key: tuple[UUID, UUID]) -> None:
-        waiting = self._waiting[key]
+        queue = self._waiting[key]
+        waiting = queue.answers
+        loop = asyncio.get_running_loop()
         try:
-            if self._gather_s > 0:
-                await asyncio.sleep(self._gather_s)  # the agent's next answers join this first statement
             while waiting:
+                if self._gather_s > 0 and len(waiting) < self._max_batch:
+                    # the agent's next answers join this statement, up to the window of the oldest one here
+                    left = queue.since + self._gather_s - loop.time()
+                    if left > 0:
+                        await asyncio.sleep(left)
                 batch = waiting[: self._max_batch]
                 del waiting[: self._max_batch]
+                queue.since = -math.inf  # any left over waited the window already; new ones restart it
                 await self._write(key, batch)
         finally:
             del self._waiting[key]  # no await since the queue was seen empty: nothing was added after it
