@@ -272,8 +272,13 @@ async def measure(
                     profile_stop(profiler)
     sequential = args.requests // args.rounds * args.rounds
     return {
-        name: ({p: q(values, p) for p in (50, 95, 99)}, *rps[name], values, cpu[name],
-               {k: v * 1000 for k, v in cpu_ms_per_call({}, sequential_ticks[name], sequential).items()})
+        name: (
+            {p: q(values, p) for p in (50, 95, 99)},
+            *rps[name],
+            values,
+            cpu[name],
+            {k: v * 1000 for k, v in cpu_ms_per_call({}, sequential_ticks[name], sequential).items()},
+        )
         for name, values in latencies.items()
     }, {name: pairs for name, pairs in streams.items() if pairs}  # none when fewer answers than rounds were asked
 
