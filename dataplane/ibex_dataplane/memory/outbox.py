@@ -24,6 +24,7 @@ from ibex_dataplane.memory.hotcache import HotCache
 from ibex_dataplane.memory.metrics import MemoryMetrics
 from ibex_dataplane.memory.models import Tenant
 from ibex_dataplane.memory.repository import MemoryRepository
+from ibex_dataplane.shared.waits import woken
 from ibex_dataplane.store.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,7 @@ class OutboxWorker:
             if handled >= self._batch:
                 continue
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._poll)
+            await woken(self._wake, self._poll)
 
     def start(self) -> None:
         if self._task is None:

@@ -22,6 +22,7 @@ from uuid import UUID
 from prometheus_client import CollectorRegistry, Counter
 
 from ibex_dataplane.shared.usage import USAGE_COLUMNS
+from ibex_dataplane.shared.waits import woken
 from ibex_dataplane.store.clickhouse import ClickHouse, org_query
 from ibex_dataplane.store.errors import StoreQueryError, StoreUnavailable
 
@@ -123,8 +124,7 @@ class AnalyticsRecorder:
 
     async def _run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._flush_interval)
+            await woken(self._wake, self._flush_interval)
             self._wake.clear()
             await self.flush()
 

@@ -22,7 +22,6 @@ a hold is placed on the org and the agent or on neither; each request's spend is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -40,6 +39,7 @@ from ibex_dataplane.shared.budget_repository import (
     HoldOutcome,
     HoldStatus,
 )
+from ibex_dataplane.shared.waits import woken
 from ibex_dataplane.store.errors import StoreUnavailable
 from ibex_dataplane.store.postgres import Database
 
@@ -337,8 +337,7 @@ class BudgetService:
                 except Exception as e:
                     log.warning("budget lease not returned (%s); it expires after the hold ttl", type(e).__name__)
                     return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._closing.wait(), delay)
+                await woken(self._closing, delay)
                 delay = min(delay * 2, 5.0)
 
         self._track(give_back())
@@ -390,8 +389,7 @@ class BudgetService:
                 log.warning("settle deferred, Postgres unavailable (request_id=%s); retrying", hold.request_id)
                 self.retrying += 1
                 try:  # back off before the next attempt; shutdown cuts the wait short
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._closing.wait(), delay)
+                    await woken(self._closing, delay)
                 finally:
                     self.retrying -= 1
                 delay = min(delay * 2, 5.0)
