@@ -1,9 +1,9 @@
 """The settles of served answers with their session checkpoints, gathered per agent.
 
 One statement per agent is in flight at a time (:meth:`SessionService.settle_and_record_turns`); the answers of
-that agent that finish meanwhile wait and go together in the next one. An idle proxy sends each answer at once, as
-before; a busy one sends a batch per commit, so the agent's and the org's budget rows, which every budget hold
-also takes, are locked once per batch instead of once per answer. Nothing here delays the answer itself.
+that agent that finish meanwhile wait and go together in the next one: a busy proxy sends a batch per commit, so
+the agent's and the org's budget rows, which every budget hold also takes, are locked once per batch instead of
+once per answer. Nothing here delays the answer itself.
 
 With a gather window (``IBEX_SETTLE_GATHER_MS``), a statement goes out once the oldest answer it takes has waited
 that long (or once it is full), so that the answers of a client sending one request after another also go together:
