@@ -241,13 +241,17 @@ async def measure(
     streams: dict[str, list[tuple[float, float]]] = {name: [] for name in streamers}
     rps: dict[str, tuple[float, int]] = {}
     cpu: dict[str, dict[str, float]] = {}
+
+    def roots_of(name: str) -> dict[str, int]:  # the processes whose CPU is read for ``name``: upstream and proxy
+        return {"upstream": pids["upstream"], **({"proxy": pids[name]} if name in pids else {})}
+
     async with aiohttp.ClientSession(connector=connector) as http:
         for url, headers in targets.values():  # warm up every path
             await timed(http, url, headers, WARM_UP)
         sequential_ticks: dict[str, dict[str, int]] = {name: {} for name in targets}
         for _ in range(args.rounds):  # interleave rounds so drift hits every side alike
             for name, (url, headers) in targets.items():
-                roots = {"upstream": pids["upstream"], **({"proxy": pids[name]} if name in pids else {})}
+                roots = roots_of(name)
                 before = tree_ticks(roots, STORES)
                 latencies[name] += await timed(http, url, headers, args.requests // args.rounds)
                 for role, ticks in tree_ticks(roots, STORES).items():  # what each process spent in this round
@@ -261,7 +265,7 @@ async def measure(
                 streams[name] += await timed_stream(http, url, headers, args.stream_requests // args.rounds, expected)
         for name, (url, headers) in targets.items():
             profiler = profile_start(args.profile, pids.get(name)) if args.profile and name == "ibex" else None
-            roots = {"upstream": pids["upstream"], **({"proxy": pids[name]} if name in pids else {})}
+            roots = roots_of(name)
             try:
                 before = tree_ticks(roots, STORES)
                 rps[name] = await throughput(http, url, headers, args.throughput_requests, args.concurrency)
@@ -270,14 +274,13 @@ async def measure(
             finally:
                 if profiler is not None:
                     profile_stop(profiler)
-    sequential = args.requests // args.rounds * args.rounds
     return {
         name: (
             {p: q(values, p) for p in (50, 95, 99)},
             *rps[name],
             values,
             cpu[name],
-            {k: v * 1000 for k, v in cpu_ms_per_call({}, sequential_ticks[name], sequential).items()},
+            {k: v * 1000 for k, v in cpu_ms_per_call({}, sequential_ticks[name], len(values)).items()},
         )
         for name, values in latencies.items()
     }, {name: pairs for name, pairs in streams.items() if pairs}  # none when fewer answers than rounds were asked
